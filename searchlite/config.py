@@ -1,0 +1,223 @@
+"""Every setting of a run in one flat dataclass, with presets and command-line overrides.
+
+Precedence: dataclass defaults < a `configs.toml` preset (`--preset NAME`) < CLI flags.
+Flags are field names, typed by the field:
+
+    >>> cfg = parse_args(["--algo", "grpo", "--group", "5", "--lr=1e-5"])
+    >>> (cfg.algo, cfg.group, cfg.lr)
+    ('grpo', 5, 1e-05)
+
+An unknown key or a badly typed value is a `ConfigError` naming the key and the closest
+valid one. The comment after each field is its `--help` text, so the two never drift.
+Paths starting with `toy/` point into the embedded toy world (`searchlite/assets/toyworld`).
+Deliberately left out: nested configs, interpolation, environment-variable overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+TOY_DIR = PACKAGE_DIR / "assets" / "toyworld"
+DEFAULT_PRESETS = REPO_DIR / "configs.toml"
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a preset or on the command line."""
+
+
+@dataclass
+class Config:
+    # --- run
+    out_dir: str = "runs/toy-grpo"  # folder for config.json, metrics.jsonl, checkpoints, trajectories
+    seed: int = 0  # seeds data order, sampling and initialisation
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu" or "cuda"
+    steps: int = 60  # RL steps (one step = one batch of questions rolled out and trained on)
+    resume: bool = False  # continue from the latest checkpoint in out_dir
+    # --- model
+    model: str = "toy/model"  # policy: Hugging Face folder or hub name; toy/model is the embedded warm start
+    tokenizer: str = ""  # tokenizer folder; empty = same as model
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    chat_template: bool = True  # wrap the prompt in the tokenizer's chat template when it has one
+    # --- data
+    train_data: str = "toy/train.jsonl"  # QA JSONL (FlashRAG format) to train on
+    test_data: str = "toy/test.jsonl"  # QA JSONL for held-out evaluation
+    # --- retrieval
+    retriever: str = "bm25"  # bm25 | rank_bm25 | dense | http
+    corpus: str = "toy/corpus.jsonl"  # passages JSONL (Search-R1 wiki-18 or id/title/text format)
+    encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
+    pooling: str = "mean"  # dense retriever pooling: mean | cls
+    index: str = ""  # dense retriever: saved index folder to load instead of encoding the corpus
+    retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000
+    topk: int = 3  # passages returned per search
+    # --- protocol and rollout
+    protocol: str = "search_r1"  # search_r1 (<search>/<answer> tags) | r1_searcher_pp (internal/external, \boxed{})
+    template: str = ""  # prompt template file with a {question} placeholder; empty = the protocol's own
+    max_turns: int = 4  # search budget; one more turn without search then forces an answer
+    max_new_tokens: int = 500  # tokens generated per turn
+    max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)
+    max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends when reached
+    temperature: float = 1.0  # sampling temperature in training rollouts
+    top_p: float = 1.0  # nucleus sampling in training rollouts
+    sampler: str = "hf"  # hf (transformers generate) | vllm
+    gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
+    mask_retrieved: bool = True  # retrieved tokens get loss_mask 0; false is Search-R1 Table 4's ablation
+    # --- algorithm
+    algo: str = "grpo"  # grpo | ppo | reinforce_pp
+    group: int = 5  # rollouts per question (GRPO group size; 1 = REINFORCE with a batch-mean baseline)
+    batch_size: int = 16  # questions per step
+    lr: float = 1e-6  # actor learning rate
+    critic_lr: float = 1e-5  # critic learning rate (PPO)
+    warmup_steps: int = 0  # linear learning-rate warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm
+    clip_eps: float = 0.2  # PPO ratio clip
+    value_clip_eps: float = 0.5  # PPO value clip
+    kl_coef: float = 0.001  # weight of the KL to the reference policy
+    kl_kind: str = "k3"  # k1 | k3 estimator (GRPO uses k3 in the loss; PPO / REINFORCE++ k1 in the reward)
+    gamma: float = 1.0  # discount over policy tokens
+    lam: float = 1.0  # GAE lambda
+    ppo_epochs: int = 1  # passes over each batch of rollouts
+    mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step
+    micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
+    loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
+    grad_checkpointing: bool = False  # recompute activations in backward to save memory
+    # --- logging and evaluation
+    log_trajectories_every: int = 10  # write a few whole trajectories (HTML) every N steps; 0 = never
+    eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end
+    eval_size: int = 0  # test questions used per evaluation; 0 = all
+    save_every: int = 10  # checkpoint every N steps (and at the end)
+
+
+def field_help() -> dict[str, str]:
+    """Field name -> the comment written after it in the dataclass source."""
+    src = Path(__file__).read_text()
+    pat = re.compile(r"^    (\w+): [^=]+=.*?  # (.*)$", re.M)
+    return {m.group(1): m.group(2) for m in pat.finditer(src)}
+
+
+def resolve_path(value: str) -> str:
+    """Map `toy/...` to the embedded toy world folder; leave other values as they are."""
+    if value.startswith("toy/") and not Path(value).exists():
+        return str(TOY_DIR / value[len("toy/"):])
+    return value
+
+
+def _closest(key: str) -> str:
+    names = [f.name for f in fields(Config)]
+    match = difflib.get_close_matches(key, names, n=1, cutoff=0.0)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _coerce(name: str, value, where: str):
+    """Convert a TOML or CLI value to the type of field `name`, or raise ConfigError."""
+    kind = type(getattr(Config, name))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: '{name}' expects {kind.__name__}, got {value!r}")
+
+
+def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
+    """The key/value table of preset `name` in a TOML file, checked against Config's fields."""
+    with open(path, "rb") as f:
+        presets = tomllib.load(f)
+    if name not in presets:
+        close = difflib.get_close_matches(name, list(presets), n=1, cutoff=0.0)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{path}: no preset [{name}]{hint} (have: {', '.join(presets)})")
+    table = presets[name]
+    valid = {f.name for f in fields(Config)}
+    out = {}
+    for key, value in table.items():
+        if key not in valid:
+            raise ConfigError(f"{path} [{name}]: unknown key '{key}'{_closest(key)}")
+        out[key] = _coerce(key, value, f"{path} [{name}]")
+    return out
+
+
+def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py") -> Config:
+    """Build a Config from `--preset NAME` and `--field value` flags (see module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage(prog, presets))
+        raise SystemExit(0)
+    pairs, preset = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: expected --key value, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if key in Config.__dataclass_fields__ and isinstance(getattr(Config, key), bool) and (
+                nxt is None or nxt.startswith("--")
+            ):
+                value = "true"  # a bare boolean flag
+            elif nxt is None:
+                raise ConfigError(f"command line: --{key} needs a value")
+            else:
+                value, i = nxt, i + 1
+        if key == "preset":
+            preset = value
+        else:
+            pairs.append((key, value))
+        i += 1
+    values = load_preset(preset, presets) if preset else {}
+    for key, value in pairs:
+        if key not in Config.__dataclass_fields__:
+            raise ConfigError(f"command line: unknown flag --{key}{_closest(key)}")
+        values[key] = _coerce(key, value, "command line")
+    return Config(**values)
+
+
+def usage(prog: str, presets: Path = DEFAULT_PRESETS) -> str:
+    helps = field_help()
+    lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
+    if presets.exists():
+        with open(presets, "rb") as f:
+            lines.append("presets (configs.toml): " + ", ".join(tomllib.load(f)))
+    for f in fields(Config):
+        kind = type(f.default).__name__
+        lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r})")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+def format_config(cfg: Config) -> str:
+    return "\n".join(f"  {k:<24} = {v!r}" for k, v in to_dict(cfg).items())

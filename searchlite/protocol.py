@@ -1,0 +1,177 @@
+"""Prompt templates and action parsing for the two tag protocols.
+
+- `search_r1` (Search-R1, arXiv 2503.09516 §3 and Table 1): the model reasons in
+  `<think>`, searches with `<search> q </search>`, reads `<information> … </information>`
+  and answers with `<answer> … </answer>`.
+- `r1_searcher_pp` (R1-Searcher++, arXiv 2505.17005 §4.1): the model answers a
+  sub-question from its own knowledge inside `<|begin_internal_answer|> …
+  <|end_internal_answer|>` or searches with `<|begin_external_search|> q
+  <|end_external_search|>`, reads `<|begin_search_result|> … <|end_search_result|>`, and
+  gives the final answer as `\\boxed{…}`.
+
+`parse` never raises, whatever the model wrote:
+
+    >>> p = get_protocol("search_r1")
+    >>> p.parse("<think> hmm </think> <search> capital of France </search>")
+    Action(kind='search', content='capital of France')
+    >>> p.parse("<answer> Paris </answer>")
+    Action(kind='answer', content='Paris')
+    >>> p.parse("<search> unclosed").kind
+    'invalid'
+    >>> get_protocol("r1_searcher_pp").parse("so it is \\\\boxed{Paris}")
+    Action(kind='answer', content='Paris')
+
+Left out on purpose: tool-call JSON formats; this project studies the two papers' tags.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+MAX_QUERY_CHARS = 1000  # longer queries are cut: no retriever needs more, and servers bound it
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "search" | "answer" | "invalid"
+    content: str = ""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    template: str  # prompt text with a {question} placeholder
+    stop: tuple[str, ...]  # a turn ends at the first of these (or EOS)
+    info_open: str  # wraps retrieved passages
+    info_close: str
+    invalid_message: str  # appended (loss_mask 0) after a turn with no valid action
+    search_re: re.Pattern
+    answer_re: re.Pattern | None  # None: answers are \boxed{} (brace-matched, see _last_boxed)
+
+    def prompt(self, question: str) -> str:
+        return self.template.replace("{question}", question.strip())
+
+    def parse(self, text: str) -> Action:
+        """The action of one generated segment: the first complete search or answer."""
+        try:
+            return self._parse(text)
+        except Exception:  # parsing must never stop a rollout; a bug here is an invalid action
+            return Action("invalid")
+
+    def _parse(self, text: str) -> Action:
+        search = self.search_re.search(text)
+        if self.answer_re is not None:
+            answer = self.answer_re.search(text)
+            answer_at = answer.start() if answer else None
+            answer_text = answer.group(1) if answer else None
+        else:
+            answer_at, answer_text = _last_boxed(text)
+        if search and (answer_at is None or search.start() < answer_at):
+            query = " ".join(search.group(1).split())[:MAX_QUERY_CHARS]
+            return Action("search", query) if query else Action("invalid")
+        if answer_text is not None and answer_text.strip():
+            return Action("answer", answer_text.strip())
+        return Action("invalid")
+
+    def format_passages(self, hits) -> str:
+        """Search-R1's `Doc i(Title: t) text` lines (its `_passages2string`)."""
+        return "".join(f"Doc {i + 1}(Title: {h.title}) {h.text}\n" for i, h in enumerate(hits))
+
+    def observation_ids(self, tokenizer, hits, max_tokens: int) -> list[int]:
+        """Token ids of a search result block, passages cut to fit `max_tokens` in total.
+
+        Tokenised once here and appended as ids; the closing tag always survives the cut.
+        """
+        head = tokenizer.encode(f"\n{self.info_open}", add_special_tokens=False)
+        tail = tokenizer.encode(f"{self.info_close}\n", add_special_tokens=False)
+        body = tokenizer.encode(self.format_passages(hits), add_special_tokens=False)
+        room = max(0, max_tokens - len(head) - len(tail))
+        return head + body[:room] + tail
+
+    def format_ok(self, response: str) -> bool:
+        """Whether a whole response is well formed (R1-Searcher++'s format reward, §4.2.1)."""
+        if self.answer_re is not None:
+            answers = self.answer_re.findall(response)
+            opens = response.count("<answer>")
+            return len(answers) == 1 and opens == 1 and response.count("<search>") == len(
+                self.search_re.findall(response)
+            )
+        pairs = ("<|begin_internal_answer|>", "<|end_internal_answer|>"), (
+            "<|begin_external_search|>",
+            "<|end_external_search|>",
+        )
+        for a, b in pairs:
+            if response.count(a) != response.count(b) or not _ordered(response, a, b):
+                return False
+        _, boxed = _last_boxed(response)
+        return boxed is not None and bool(boxed.strip()) and response.count("\\boxed{") == 1
+
+
+def _ordered(text: str, open_tag: str, close_tag: str) -> bool:
+    """Open and close tags alternate, starting with an open one (no nesting)."""
+    marks = sorted([(m.start(), 1) for m in re.finditer(re.escape(open_tag), text)]
+                   + [(m.start(), -1) for m in re.finditer(re.escape(close_tag), text)])
+    depth = 0
+    for _, d in marks:
+        depth += d
+        if depth not in (0, 1):
+            return False
+    return depth == 0
+
+
+def _last_boxed(text: str) -> tuple[int | None, str | None]:
+    """Start and content of the last complete `\\boxed{...}`, braces matched; (None, None) if none."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return start, text[i + 1:j]
+        start = text.rfind("\\boxed{", 0, start)
+    return None, None
+
+
+def _read_template(path: str | Path) -> str:
+    text = Path(path).read_text()
+    if "{question}" not in text:
+        raise ValueError(f"{path}: a prompt template needs a {{question}} placeholder")
+    return text.rstrip("\n") + "\n"
+
+
+def get_protocol(name: str, template: str = "") -> Protocol:
+    """The protocol `name`, with its own template or the one in the file `template`."""
+    if name == "search_r1":
+        return Protocol(
+            name=name,
+            template=_read_template(template or TEMPLATE_DIR / "search_r1.txt"),
+            stop=("</search>", "</answer>"),
+            info_open="<information>",
+            info_close="</information>",
+            invalid_message=(
+                "\nMy previous action is invalid. If I want to search, I should put the query "
+                "between <search> and </search>. If I want to give the final answer, I should "
+                "put the answer between <answer> and </answer>. Let me try again.\n"
+            ),
+            search_re=re.compile(r"<search>(.*?)</search>", re.S),
+            answer_re=re.compile(r"<answer>(.*?)</answer>", re.S),
+        )
+    if name == "r1_searcher_pp":
+        return Protocol(
+            name=name,
+            template=_read_template(template or TEMPLATE_DIR / "r1_searcher_pp.txt"),
+            stop=("<|end_external_search|>",),
+            info_open="<|begin_search_result|>",
+            info_close="<|end_search_result|>",
+            invalid_message=(
+                "\nMy previous step is invalid. To search I should write the query between "
+                "<|begin_external_search|> and <|end_external_search|>; to finish I should give "
+                "the answer as \\boxed{answer}. Let me try again.\n"
+            ),
+            search_re=re.compile(r"<\|begin_external_search\|>(.*?)<\|end_external_search\|>", re.S),
+            answer_re=None,
+        )
+    raise ValueError(f"unknown protocol '{name}' (valid: search_r1, r1_searcher_pp)")

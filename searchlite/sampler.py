@@ -1,0 +1,107 @@
+"""Samplers: turn a batch of token-id prompts into sampled continuations.
+
+One interface, so the rollout does not care who generates:
+
+    sampler.generate(prompts: list[list[int]], stop: tuple[str, ...]) -> list[list[int]]
+
+Each returned list holds exactly the ids the model sampled for that prompt, up to and
+including the first stop string or EOS (nothing is decoded and re-encoded). `HFSampler`
+runs transformers' `generate` on the training policy itself (left padding, temperature /
+top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process.
+
+Seeding: call number `n` of a sampler seeded with `s` samples under `torch.manual_seed(s + n)`
+inside `fork_rng`, so a rollout is reproducible and does not disturb the training RNG.
+Left out on purpose: beam search, speculative decoding, streaming.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _StopRecorder:
+    """Stopping criterion that ends a row at EOS or a stop string and records where.
+
+    transformers pads a finished row with pad ids; `done_at[i]` is the number of tokens row i
+    really sampled, which is how its continuation is cut without guessing from pad ids.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: list[int], batch: int, prompt_len: int):
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        self.strings = StopStringCriteria(tokenizer, list(stop)) if stop else None
+        self.eos = torch.tensor(eos_ids)
+        self.prompt_len = prompt_len
+        self.done_at = [None] * batch
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        done = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
+        if self.strings is not None:
+            done |= self.strings(input_ids, scores)
+        n = input_ids.shape[1] - self.prompt_len
+        for i in torch.nonzero(done).flatten().tolist():
+            if self.done_at[i] is None:
+                self.done_at[i] = n
+        return done
+
+
+class HFSampler:
+    """Batched sampling with transformers `generate` on the policy module itself."""
+
+    def __init__(self, model, tokenizer, *, max_new_tokens: int = 500, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, batch_size: int = 0):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.seed, self.calls, self.batch_size = seed, 0, batch_size
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
+            else tokenizer.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def push_weights(self, model) -> None:
+        """Nothing to copy: HFSampler generates with the training module itself."""
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[list[int]]:
+        max_new = max_new_tokens or self.max_new_tokens
+        step = self.batch_size or len(prompts) or 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + self.calls)
+            self.calls += 1
+            out = []
+            for s in range(0, len(prompts), step):
+                out += self._generate(prompts[s:s + step], stop, max_new, greedy)
+        return out
+
+    def _generate(self, prompts, stop, max_new, greedy) -> list[list[int]]:
+        if not prompts:
+            return []
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
+        mask = torch.zeros_like(ids)  # (B, P) 1 = real prompt token
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        recorder = _StopRecorder(self.tokenizer, stop, self.eos_ids, len(prompts), width)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            seqs = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                do_sample=not greedy, temperature=self.temperature if not greedy else None,
+                top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
+                stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+            )  # (B, P + new)
+        finally:
+            self.model.train(was_training)
+        new = seqs[:, width:].cpu()  # (B, new)
+        return [new[i, : (recorder.done_at[i] or new.shape[1])].tolist() for i in range(len(prompts))]

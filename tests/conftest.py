@@ -1,0 +1,49 @@
+"""Shared fixtures: a byte-level tokenizer with the protocols' tags, tiny random Llamas."""
+
+import pytest
+import torch
+
+TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>",
+        "</answer>", "<|begin_internal_answer|>", "<|end_internal_answer|>", "<|begin_external_search|>",
+        "<|end_external_search|>", "<|begin_search_result|>", "<|end_search_result|>"]
+
+
+def make_byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) plus the tags as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   padding_side="left")
+    fast.add_tokens(TAGS)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return make_byte_tokenizer()
+
+
+def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@pytest.fixture()
+def tiny_llama(byte_tokenizer):
+    return make_tiny_llama(byte_tokenizer)

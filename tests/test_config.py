@@ -1,0 +1,94 @@
+"""Config precedence (defaults < preset < CLI) and the errors for bad keys and values."""
+
+import json
+
+import pytest
+
+from searchlite.config import Config, ConfigError, field_help, parse_args, resolve_path, save_config
+
+PRESETS = """
+[small]
+algo = "ppo"
+group = 1
+lr = 2e-6
+
+[badkey]
+grop = 4
+
+[badtype]
+group = "four"
+"""
+
+
+@pytest.fixture()
+def presets(tmp_path):
+    p = tmp_path / "configs.toml"
+    p.write_text(PRESETS)
+    return p
+
+
+def test_precedence(presets):
+    assert parse_args([], presets).algo == Config().algo
+    cfg = parse_args(["--preset", "small"], presets)
+    assert (cfg.algo, cfg.group, cfg.lr, cfg.topk) == ("ppo", 1, 2e-6, Config().topk)
+    cfg = parse_args(["--preset", "small", "--group", "5", "--lr=1e-5"], presets)
+    assert (cfg.algo, cfg.group, cfg.lr) == ("ppo", 5, 1e-5)
+    # the CLI wins wherever the flag stands relative to --preset
+    assert parse_args(["--group", "3", "--preset", "small"], presets).group == 3
+
+
+def test_bool_flags(presets):
+    assert parse_args(["--resume"], presets).resume is True
+    assert parse_args(["--resume", "--group", "2"], presets).resume is True
+    assert parse_args(["--mask_retrieved", "false"], presets).mask_retrieved is False
+    with pytest.raises(ConfigError, match="mask_retrieved"):
+        parse_args(["--mask_retrieved", "maybe"], presets)
+
+
+def test_errors_name_key_and_closest(presets):
+    with pytest.raises(ConfigError, match=r"--grop.*did you mean 'group'"):
+        parse_args(["--grop", "5"], presets)
+    with pytest.raises(ConfigError, match=r"'group' expects int, got 'five'"):
+        parse_args(["--group", "five"], presets)
+    with pytest.raises(ConfigError, match=r"\[badkey\]: unknown key 'grop'; did you mean 'group'"):
+        parse_args(["--preset", "badkey"], presets)
+    with pytest.raises(ConfigError, match=r"\[badtype\]: 'group' expects int"):
+        parse_args(["--preset", "badtype"], presets)
+    with pytest.raises(ConfigError, match=r"no preset \[smal\]; did you mean 'small'"):
+        parse_args(["--preset", "smal"], presets)
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_args(["--group"], presets)
+    with pytest.raises(ConfigError, match="expected --key value"):
+        parse_args(["group", "5"], presets)
+
+
+def test_every_field_has_help_and_help_prints(presets, capsys):
+    helps = field_help()
+    for name in Config.__dataclass_fields__:
+        assert helps.get(name), f"field {name} has no comment"
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], presets)
+    out = capsys.readouterr().out
+    assert "--group" in out and helps["group"] in out and "small" in out
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = Config(group=7)
+    save_config(cfg, tmp_path / "run" / "config.json")
+    assert Config(**json.loads((tmp_path / "run" / "config.json").read_text())) == cfg
+
+
+def test_toy_paths_resolve():
+    assert resolve_path("toy/corpus.jsonl").endswith("searchlite/assets/toyworld/corpus.jsonl")
+    assert resolve_path("/data/x.jsonl") == "/data/x.jsonl"
+
+
+def test_repo_presets_are_valid():
+    from searchlite.config import DEFAULT_PRESETS, load_preset
+    import tomllib
+
+    with open(DEFAULT_PRESETS, "rb") as f:
+        names = list(tomllib.load(f))
+    assert names, "configs.toml has no presets"
+    for name in names:
+        Config(**load_preset(name))

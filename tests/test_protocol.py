@@ -1,0 +1,89 @@
+"""Action parsing never raises and finds the first complete action; templates load from files."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from searchlite.protocol import MAX_QUERY_CHARS, Action, get_protocol
+
+SR1 = get_protocol("search_r1")
+PP = get_protocol("r1_searcher_pp")
+
+TAG_SOUP = st.lists(st.sampled_from(["<search>", "</search>", "<answer>", "</answer>", "<think>", "</think>",
+                                     "\\boxed{", "}", "{", "<|begin_external_search|>",
+                                     "<|end_external_search|>", " ", "x", "Paris", "\n"]), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=300), TAG_SOUP.map("".join)))
+def test_parse_never_raises(text):
+    for p in (SR1, PP):
+        a = p.parse(text)
+        assert a.kind in ("search", "answer", "invalid")
+        assert len(a.content) <= max(MAX_QUERY_CHARS, len(text))
+        assert isinstance(p.format_ok(text), bool)
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("<search> a b </search>", Action("search", "a b")),
+    ("<search>\n  a \n b </search>", Action("search", "a b")),  # whitespace folded
+    ("<answer>x</answer>", Action("answer", "x")),
+    ("<search></search>", Action("invalid")),  # empty query
+    ("<answer>   </answer>", Action("invalid")),  # empty answer
+    ("<search> unclosed", Action("invalid")),
+    ("no tags at all", Action("invalid")),
+    ("<search> a </search> <answer> b </answer>", Action("search", "a")),  # first complete action
+    ("<answer> b </answer> <search> a </search>", Action("answer", "b")),
+    ("<search> a <search> b </search>", Action("search", "a <search> b")),  # nested: up to first close
+    ("</search> <search> q </search>", Action("search", "q")),
+])
+def test_search_r1_cases(text, expect):
+    assert SR1.parse(text) == expect
+
+
+def test_long_query_is_cut():
+    a = SR1.parse("<search> " + "w" * 10_000 + " </search>")
+    assert a.kind == "search" and len(a.content) == MAX_QUERY_CHARS
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("<|begin_external_search|> q1 <|end_external_search|>", Action("search", "q1")),
+    ("<|begin_internal_answer|> it is X <|end_internal_answer|> so \\boxed{X}", Action("answer", "X")),
+    ("\\boxed{a {nested} b}", Action("answer", "a {nested} b")),
+    ("\\boxed{first} then \\boxed{second}", Action("answer", "second")),  # the last boxed answer
+    ("\\boxed{unclosed", Action("invalid")),
+    ("<|begin_external_search|> q", Action("invalid")),
+])
+def test_r1_searcher_pp_cases(text, expect):
+    assert PP.parse(text) == expect
+
+
+def test_format_ok():
+    assert SR1.format_ok("<think> t </think> <search> q </search>\n<information>..</information>\n<answer> a </answer>")
+    assert not SR1.format_ok("<think> t </think>")
+    assert not SR1.format_ok("<answer> a </answer><answer> b </answer>")
+    assert PP.format_ok("<|begin_internal_answer|> a <|end_internal_answer|> \\boxed{a}")
+    assert not PP.format_ok("<|begin_internal_answer|> a \\boxed{a}")  # unbalanced
+    assert not PP.format_ok("no answer")
+    assert not PP.format_ok("\\boxed{a} \\boxed{b}")
+
+
+def test_template_from_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("Q: {question}\nA:")
+    p = get_protocol("search_r1", str(f))
+    assert p.prompt("  why?  ") == "Q: why?\nA:\n"
+    bad = tmp_path / "bad.txt"
+    bad.write_text("no placeholder")
+    with pytest.raises(ValueError, match="placeholder"):
+        get_protocol("search_r1", str(bad))
+    with pytest.raises(ValueError, match="unknown protocol"):
+        get_protocol("search_r2")
+
+
+def test_default_templates_follow_the_papers():
+    text = SR1.prompt("Who?")
+    for tag in ("<think>", "<search>", "</search>", "<information>", "<answer>"):
+        assert tag in text
+    assert text.rstrip().endswith("Question: Who?")
+    assert "\\boxed{" in PP.prompt("Who?") and "<|begin_external_search|>" in PP.prompt("Who?")

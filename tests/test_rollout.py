@@ -1,0 +1,146 @@
+"""The rollout loop, driven by a scripted sampler and a fake retriever through every branch."""
+
+import torch
+from conftest import make_tiny_llama
+
+from searchlite.protocol import get_protocol
+from searchlite.retrieval import Hit
+from searchlite.rollout import encode_prompt, rollout
+from searchlite.sampler import HFSampler
+
+P = get_protocol("search_r1")
+
+
+class ScriptedSampler:
+    """Replies from a per-question script; records every call's contexts."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+        self.tok, self.scripts, self.calls = tokenizer, scripts, []
+
+    def generate(self, prompts, stop=(), greedy=False):
+        self.calls.append(len(prompts))
+        out = []
+        for ids in prompts:
+            text = self.tok.decode(ids)
+            q = next(q for q in self.scripts if f"Question: {q}" in text)
+            after = text.split(f"Question: {q}", 1)[1]  # the template itself names the tags
+            turn = after.count("<information>") + after.count("My previous action is invalid")
+            reply = self.scripts[q][turn]
+            out.append(self.tok.encode(reply, add_special_tokens=False))
+        return out
+
+
+class FakeRetriever:
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, k):
+        self.calls.append(list(queries))
+        return [[Hit(id=f"{q}-{j}", title=f"T{j}", text=f"about {q} {j}", score=1.0 / (j + 1)) for j in range(k)]
+                for q in queries]
+
+
+SCRIPTS = {
+    "q-answer": ["<think> easy </think> <answer> Paris </answer>"],
+    "q-search": ["<think> need </think> <search> france capital </search>", "<answer> Paris </answer>"],
+    "q-invalid": ["I am rambling", "<answer> Rome </answer>"],
+    "q-budget": ["<search> a </search>", "<search> b </search>", "<search> c </search>"],
+    "q-dup": ["<search> france capital </search>", "<answer> x </answer>"],
+}
+
+
+def _run(tok, questions, **kw):
+    sampler, retriever = ScriptedSampler(tok, SCRIPTS), FakeRetriever()
+    ro = rollout(sampler, retriever, tok, P, questions, topk=2, **kw)
+    return ro, sampler, retriever
+
+
+def test_branches(byte_tokenizer):
+    tok = byte_tokenizer
+    ro, sampler, retriever = _run(tok, list(SCRIPTS), max_turns=2)
+    assert ro.answers == ["Paris", "Paris", "Rome", None, "x"]
+    assert ro.searches.tolist() == [0, 1, 0, 2, 1]
+    assert ro.turns.tolist() == [1, 2, 2, 3, 2]
+    assert ro.answered.tolist() == [True, True, True, False, True]
+    # batched: one generate call per turn over the active trajectories only
+    assert sampler.calls == [5, 4, 1]
+    # one retriever call per turn; duplicates are passed on (the retriever dedups)
+    assert retriever.calls == [["france capital", "a", "france capital"], ["b"]]
+    # the forced final turn executes no search: "c" was never retrieved
+    assert "c" not in sum(retriever.calls, [])
+    assert "<information>" in ro.responses[1] and "Doc 2(Title: T1) about france capital 1" in ro.responses[1]
+    assert "My previous action is invalid" in ro.responses[2]
+
+
+def test_mask_covers_exactly_the_sampled_tokens(byte_tokenizer):
+    tok = byte_tokenizer
+    ro, _, _ = _run(tok, list(SCRIPTS), max_turns=2)
+    for i, q in enumerate(SCRIPTS):
+        n = int(ro.attention_mask[i].sum())
+        p = int(ro.prompt_len[i])
+        assert ro.input_ids[i, :p].tolist() == encode_prompt(tok, P, q)
+        # the masked-in ids, concatenated, are exactly the sampled replies, in order
+        sampled = ro.input_ids[i][ro.loss_mask[i].bool()].tolist()
+        expect = sum((tok.encode(r, add_special_tokens=False) for r in SCRIPTS[q][: int(ro.turns[i])]), [])
+        assert sampled == expect
+        # and everything else in the response is an observation or the invalid-action message
+        other = tok.decode(ro.input_ids[i, p:n][ro.loss_mask[i, p:n] == 0].tolist())
+        assert other.replace(P.invalid_message, "").replace("\n", "") == "".join(
+            f"<information>{P.format_passages(h)}</information>".replace("\n", "")
+            for h in _chunks(ro.docs[i], 2))
+        assert ro.loss_mask[i, :p].sum() == 0 and ro.loss_mask[i, n:].sum() == 0
+        assert (ro.input_ids[i, n:] == tok.pad_token_id).all()
+
+
+def _chunks(xs, k):
+    return [xs[j:j + k] for j in range(0, len(xs), k)]
+
+
+def test_unmasked_ablation_marks_passages(byte_tokenizer):
+    ro, _, _ = _run(byte_tokenizer, ["q-search"], max_turns=2, mask_retrieved=False)
+    p, n = int(ro.prompt_len[0]), int(ro.attention_mask[0].sum())
+    assert ro.loss_mask[0, p:n].all()
+
+
+def test_max_turns_zero_and_max_len(byte_tokenizer):
+    ro, sampler, retriever = _run(byte_tokenizer, ["q-budget", "q-answer"], max_turns=0)
+    assert ro.answers == [None, "Paris"] and ro.searches.tolist() == [0, 0] and retriever.calls == []
+    short, _, _ = _run(byte_tokenizer, ["q-budget"], max_turns=3, max_len=10)
+    assert short.turns.tolist() == [1]  # the prompt alone exceeds max_len: one turn, then stop
+
+
+def test_observation_truncated_keeps_closing_tag(byte_tokenizer):
+    hits = [Hit(id="1", title="T", text="x" * 400, score=1.0)]
+    ids = P.observation_ids(byte_tokenizer, hits, max_tokens=50)
+    assert len(ids) == 50
+    assert byte_tokenizer.decode(ids).endswith("</information>\n")
+
+
+def test_seeded_rollout_is_reproducible(byte_tokenizer):
+    tok = byte_tokenizer
+    runs = []
+    for _ in range(2):
+        model = make_tiny_llama(tok, seed=3)
+        sampler = HFSampler(model, tok, max_new_tokens=12, seed=7)
+        ro = rollout(sampler, FakeRetriever(), tok, P, ["who?", "what is it?"] * 2, max_turns=2, topk=1)
+        runs.append(ro)
+    a, b = runs
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert a.turns.tolist() == [3, 3, 3, 3]  # a random model never closes a tag: invalid every turn
+    # a different sampler seed samples different tokens
+    c = rollout(HFSampler(make_tiny_llama(tok, seed=3), tok, max_new_tokens=12, seed=8), FakeRetriever(), tok,
+                P, ["who?", "what is it?"] * 2, max_turns=2, topk=1)
+    assert not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_hf_sampler_ids_are_what_the_model_scores(byte_tokenizer):
+    """Greedy ids, re-scored by a right-padded forward pass, are each the argmax: positions agree."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=5)
+    sampler = HFSampler(model, tok, max_new_tokens=8)
+    prompts = [tok.encode("a", add_special_tokens=False), tok.encode("a much longer prompt", add_special_tokens=False)]
+    outs = sampler.generate(prompts, greedy=True)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p + o])
+        logits = model(ids).logits[0]  # (T, V)
+        assert logits[len(p) - 1: -1].argmax(-1).tolist() == o
