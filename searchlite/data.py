@@ -1,0 +1,201 @@
+"""Readers and writers for the two file formats searchlite shares with Search-R1 and FlashRAG.
+
+    passages = read_corpus("wiki-18.jsonl")     # [Passage(id, title, text), ...]
+    questions = read_qa("nq_test.jsonl")        # [QA(id, question, answers, meta), ...]
+    write_jsonl("out.jsonl", map(qa_to_dict, questions))
+
+Corpus lines are `{"id": "12", "contents": "\\"Title\\"\\nText ..."}` (Search-R1's wiki-18
+form: the first line of `contents` is the title in double quotes, the rest is the text) or
+`{"id", "title", "text"}` (`title` optional). QA lines are FlashRAG's
+`{"id", "question", "golden_answers": [...]}`; `"answer"` (a string or a list) is accepted in
+place of `golden_answers`, and every other field is kept in `QA.meta`.
+
+Both readers skip blank lines and nothing else: any other bad line raises `DataError` naming
+the file, the 1-based line number and what is wrong. An `id` may be an integer in the file
+(it becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`.
+Answers must be non-empty strings: an empty gold answer would match an empty prediction.
+Files ending in `.gz` are read and written gzipped. Left out on purpose: Parquet, HF
+`datasets`, and streaming readers for corpora that do not fit in memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+class DataError(ValueError):
+    """A malformed corpus or QA file; the message reads `path:line: what is wrong`."""
+
+
+@dataclass
+class Passage:
+    """One retrievable passage.
+
+    >>> Passage("7", "Paris", "Paris is the capital of France.").contents
+    '"Paris"\\nParis is the capital of France.'
+    """
+
+    id: str
+    title: str
+    text: str
+
+    @property
+    def contents(self) -> str:
+        """Search-R1's wiki-18 form: the title in double quotes, a newline, the text."""
+        return f'"{self.title}"\n{self.text}'
+
+
+@dataclass
+class QA:
+    """One question with its gold answers; `meta` keeps the line's other fields as-is."""
+
+    id: str
+    question: str
+    answers: list[str]  # golden answers, each a non-empty string
+    meta: dict = field(default_factory=dict)
+
+
+def _open(path, mode: str, gz: bool):
+    return gzip.open(path, mode) if gz else open(path, mode)
+
+
+def _objects(path) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line number, JSON object) for each non-blank line of a JSONL file."""
+    with _open(path, "rb", str(path).endswith(".gz")) as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason})") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: bad JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+            yield line_no, obj
+
+
+def _id(obj: dict, path, line_no: int) -> str:
+    if "id" not in obj:
+        return str(line_no - 1)
+    v = obj["id"]
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise DataError(f"{path}:{line_no}: field 'id' must be a string or integer, got {type(v).__name__}")
+    return str(v)
+
+
+def _str(obj: dict, key: str, path, line_no: int, required: bool = True) -> str:
+    if key not in obj:
+        if required:
+            raise DataError(f"{path}:{line_no}: missing field '{key}'")
+        return ""
+    v = obj[key]
+    if not isinstance(v, str):
+        raise DataError(f"{path}:{line_no}: field '{key}' must be a string, got {type(v).__name__}")
+    return v
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Split wiki-18 `contents` into (title, text): the first line, less one pair of
+    surrounding double quotes, and the rest. Without a newline it is all text.
+
+    >>> split_contents('"Paris"\\nParis is the capital of France.')
+    ('Paris', 'Paris is the capital of France.')
+    """
+    if "\n" not in contents:
+        return "", contents
+    title, text = contents.split("\n", 1)
+    if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
+        title = title[1:-1]
+    return title, text
+
+
+def read_corpus(path) -> list[Passage]:
+    """Read a corpus JSONL file (wiki-18 `contents` form or `title`/`text` form).
+
+    Blank lines are skipped; a malformed line or a duplicate id raises `DataError`.
+    """
+    passages, first_seen = [], {}
+    for line_no, obj in _objects(path):
+        pid = _id(obj, path, line_no)
+        if pid in first_seen:
+            raise DataError(f"{path}:{line_no}: duplicate id {pid!r} (first on line {first_seen[pid]})")
+        first_seen[pid] = line_no
+        if "contents" in obj:
+            title, text = split_contents(_str(obj, "contents", path, line_no))
+        elif "text" in obj:
+            title, text = _str(obj, "title", path, line_no, required=False), _str(obj, "text", path, line_no)
+        else:
+            raise DataError(f"{path}:{line_no}: missing field 'contents' (or 'text')")
+        passages.append(Passage(pid, title, text))
+    return passages
+
+
+def _answers(obj: dict, key: str, path, line_no: int) -> list[str]:
+    v = obj[key]
+    if key == "answer" and isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise DataError(f"{path}:{line_no}: field '{key}' must be a list of strings, got {type(v).__name__}")
+    if not v:
+        raise DataError(f"{path}:{line_no}: field '{key}' is an empty list")
+    for a in v:
+        if not isinstance(a, str):
+            raise DataError(f"{path}:{line_no}: field '{key}' holds a {type(a).__name__}, not a string: {a!r}")
+        if not a.strip():
+            raise DataError(f"{path}:{line_no}: field '{key}' holds an empty answer")
+    return list(v)
+
+
+def read_qa(path) -> list[QA]:
+    """Read a QA JSONL file (FlashRAG form; `answer` accepted for `golden_answers`).
+
+    Blank lines are skipped; a malformed line raises `DataError`. A missing `id` becomes
+    `str(line_no - 1)`; fields other than id/question/answers go to `QA.meta` unchanged.
+    """
+    out = []
+    for line_no, obj in _objects(path):
+        qid = _id(obj, path, line_no)
+        question = _str(obj, "question", path, line_no)
+        if not question.strip():
+            raise DataError(f"{path}:{line_no}: field 'question' is empty")
+        key = "golden_answers" if "golden_answers" in obj else "answer" if "answer" in obj else None
+        if key is None:
+            raise DataError(f"{path}:{line_no}: missing field 'golden_answers' (or 'answer')")
+        answers = _answers(obj, key, path, line_no)
+        meta = {k: v for k, v in obj.items() if k not in ("id", "question", key)}
+        out.append(QA(qid, question, answers, meta))
+    return out
+
+
+def write_jsonl(path, rows: Iterable[dict]) -> None:
+    """Write one JSON object a line (UTF-8, not ASCII-escaped); written to a temporary file
+    and renamed, so a crash never leaves half a file. Parent folders are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with _open(tmp, "wb", path.name.endswith(".gz")) as f:
+        for row in rows:
+            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+    os.replace(tmp, path)
+
+
+def passage_to_dict(p: Passage) -> dict:
+    """Search-R1's corpus line: `{"id", "contents"}`."""
+    return {"id": p.id, "contents": p.contents}
+
+
+def qa_to_dict(q: QA) -> dict:
+    """FlashRAG's QA line: `{"id", "question", "golden_answers", **meta}`."""
+    core = {"id": q.id, "question": q.question, "golden_answers": list(q.answers)}
+    return {**core, **{k: v for k, v in q.meta.items() if k not in core}}

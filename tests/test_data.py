@@ -1,0 +1,128 @@
+"""Corpus and QA readers: both accepted forms, every malformed case with its line number,
+and write/read round trips."""
+
+import gzip
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from searchlite.data import (QA, DataError, Passage, passage_to_dict, qa_to_dict, read_corpus, read_qa,
+                             split_contents, write_jsonl)
+
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_corpus_wiki18_form(tmp_path):
+    p = _write_lines(tmp_path / "c.jsonl", [
+        json.dumps({"id": "12", "contents": '"Paris"\nParis is the capital of France.\nSecond line.'}),
+        json.dumps({"id": 13, "contents": '"The "Best" Film"\nA film.'}),  # inner quotes kept
+        json.dumps({"id": "14", "contents": "no title line"}),
+    ])
+    assert read_corpus(p) == [
+        Passage("12", "Paris", "Paris is the capital of France.\nSecond line."),
+        Passage("13", 'The "Best" Film', "A film."),
+        Passage("14", "", "no title line"),
+    ]
+
+
+def test_corpus_title_text_form_and_blank_lines(tmp_path):
+    p = _write_lines(tmp_path / "c.jsonl", [
+        json.dumps({"id": "a", "title": "Lima", "text": "Lima is the capital of Peru."}),
+        "",
+        "   ",
+        json.dumps({"id": "b", "text": "No title here."}),
+        json.dumps({"title": "Quito", "text": "Capital of Ecuador."}),  # no id: 0-based line index
+    ])
+    assert read_corpus(p) == [
+        Passage("a", "Lima", "Lima is the capital of Peru."),
+        Passage("b", "", "No title here."),
+        Passage("4", "Quito", "Capital of Ecuador."),
+    ]
+
+
+def test_qa_golden_answers_and_answer_forms(tmp_path):
+    p = _write_lines(tmp_path / "q.jsonl", [
+        json.dumps({"id": "q1", "question": "Capital of Peru?", "golden_answers": ["Lima", "Lima, Peru"],
+                    "type": "bridge", "hops": 2}),
+        json.dumps({"id": 7, "question": "Capital of France?", "answer": "Paris"}),
+        json.dumps({"question": "Capital of Ecuador?", "answer": ["Quito"]}),
+    ])
+    assert read_qa(p) == [
+        QA("q1", "Capital of Peru?", ["Lima", "Lima, Peru"], {"type": "bridge", "hops": 2}),
+        QA("7", "Capital of France?", ["Paris"], {}),
+        QA("2", "Capital of Ecuador?", ["Quito"], {}),
+    ]
+
+
+GOOD_C = json.dumps({"id": "1", "contents": '"T"\nx'})
+GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]})
+
+
+@pytest.mark.parametrize("reader,good,bad,words", [
+    (read_corpus, GOOD_C, '{"id": "2", "contents": ', "bad JSON"),
+    (read_corpus, GOOD_C, '["not", "an", "object"]', "JSON object"),
+    (read_corpus, GOOD_C, '{"id": "2"}', "contents"),
+    (read_corpus, GOOD_C, '{"id": "2", "contents": 5}', "'contents' must be a string"),
+    (read_corpus, GOOD_C, '{"id": 2.5, "contents": "x"}', "'id' must be a string or integer"),
+    (read_corpus, GOOD_C, '{"id": "2", "title": 3, "text": "x"}', "'title' must be a string"),
+    (read_corpus, GOOD_C, '{"id": "1", "contents": "dup"}', "duplicate id '1' (first on line 1)"),
+    (read_qa, GOOD_Q, "{'single': 'quotes'}", "bad JSON"),
+    (read_qa, GOOD_Q, '{"id": "2", "golden_answers": ["a"]}', "missing field 'question'"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?"}', "missing field 'golden_answers'"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "golden_answers": []}', "empty list"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "golden_answers": "a"}', "must be a list"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "golden_answers": [1990]}', "not a string"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "golden_answers": [" "]}', "empty answer"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "answer": 3}', "'answer' must be a list"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": ["q?"], "answer": "a"}', "'question' must be a string"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "  ", "answer": "a"}', "'question' is empty"),
+    (read_qa, GOOD_Q, '{"id": null, "question": "q?", "answer": "a"}', "'id' must be"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, reader, good, bad, words):
+    # good line, a blank line (still counted), then the bad one on line 3
+    p = _write_lines(tmp_path / "f.jsonl", [good, "", bad, good.replace('"1"', '"9"')])
+    with pytest.raises(DataError) as e:
+        reader(p)
+    assert str(e.value).startswith(f"{p}:3: "), str(e.value)
+    assert words in str(e.value)
+
+
+def test_invalid_utf8_names_line(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(GOOD_C.encode() + b"\n" + b'{"id": "2", "contents": "\xff"}\n')
+    with pytest.raises(DataError, match=r":2: not valid UTF-8"):
+        read_corpus(p)
+
+
+def test_write_read_round_trip(tmp_path):
+    passages = [Passage("1", "Paris", "Capitale de la France — « ville lumière ».\nLine two."),
+                Passage("2", "", "Untitled\r text\u2028 with odd line breaks")]
+    questions = [QA("q1", "Where?", ["Paris", "France"], {"type": "bridge", "supporting": [1, 2]}),
+                 QA("q2", "Who?", ["Zoë"])]
+    for suffix in ("jsonl", "jsonl.gz"):
+        write_jsonl(tmp_path / "sub" / f"c.{suffix}", map(passage_to_dict, passages))
+        write_jsonl(tmp_path / "sub" / f"q.{suffix}", map(qa_to_dict, questions))
+        assert read_corpus(tmp_path / "sub" / f"c.{suffix}") == passages
+        assert read_qa(tmp_path / "sub" / f"q.{suffix}") == questions
+    with gzip.open(tmp_path / "sub" / "q.jsonl.gz", "rt", encoding="utf-8") as f:  # really gzipped
+        assert json.loads(f.readline()) == {"id": "q1", "question": "Where?", "golden_answers": ["Paris", "France"],
+                                            "type": "bridge", "supporting": [1, 2]}
+    assert "Zoë" in (tmp_path / "sub" / "q.jsonl").read_text(encoding="utf-8")  # not ASCII-escaped
+    assert not list((tmp_path / "sub").glob("*.tmp"))
+
+
+def test_qa_to_dict_meta_cannot_override_core_fields():
+    d = qa_to_dict(QA("q", "Q?", ["a"], {"question": "other", "hops": 2}))
+    assert d == {"id": "q", "question": "Q?", "golden_answers": ["a"], "hops": 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(title=st.text().filter(lambda t: "\n" not in t), text=st.text())
+def test_contents_round_trip(title, text):
+    p = Passage("0", title, text)
+    assert split_contents(p.contents) == (title, text)

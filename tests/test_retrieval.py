@@ -1,0 +1,363 @@
+"""Retrievers on a hand-written ten-topic corpus: BM25 (both backends), dense with a tiny
+random encoder built offline, the HTTP client against a stdlib Search-R1-style server."""
+
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from searchlite.data import Passage, passage_to_dict, write_jsonl
+from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
+                                  default_prefixes)
+
+CORPUS = [
+    Passage("v0", "Volcano", "A volcano is a rupture in the crust where lava, ash and hot gases escape from a magma chamber below the surface."),
+    Passage("v1", "Violin", "The violin is a wooden string instrument played with a bow, usually held under the chin in an orchestra."),
+    Passage("v2", "Photosynthesis", "Photosynthesis lets green plants turn sunlight, water and carbon dioxide into sugar and oxygen inside chloroplasts."),
+    Passage("v3", "Chess", "Chess is a board game for two players who move kings, queens, rooks, bishops, knights and pawns on sixty four squares."),
+    Passage("v4", "Penguin", "Penguins are flightless seabirds of the southern hemisphere that swim with flippers and eat krill, squid and fish."),
+    Passage("v5", "Bitcoin", "Bitcoin is a decentralized digital currency whose ledger, the blockchain, is maintained by miners solving cryptographic puzzles."),
+    Passage("v6", "Pyramids of Giza", "The pyramids of Giza are ancient Egyptian royal tombs built from limestone blocks for pharaohs such as Khufu."),
+    Passage("v7", "Insulin", "Insulin is a hormone made by the pancreas that lets cells absorb glucose from the blood; diabetes follows when it fails."),
+    Passage("v8", "Tides", "Ocean tides are the rise and fall of sea level caused by the gravitational pull of the moon and the sun."),
+    Passage("v9", "Espresso", "Espresso is a concentrated coffee brewed by forcing hot water at high pressure through finely ground beans."),
+]
+
+# natural questions: BM25 must match the gold passage's content words
+BM25_QUERIES = [
+    ("what escapes from a magma chamber during an eruption", "v0"),
+    ("which instrument is played with a bow under the chin", "v1"),
+    ("how do green plants make sugar from sunlight", "v2"),
+    ("which seabirds cannot fly and eat krill", "v4"),
+    ("who maintains the blockchain ledger", "v5"),
+    ("what does the pancreas make to control blood glucose", "v7"),
+    ("what causes ocean tides", "v8"),
+]
+
+# a distinctive phrase of the gold passage: a random bag-of-words encoder can only rank by shared words
+DENSE_QUERIES = [
+    ("lava ash and hot gases escape from a magma chamber", "v0"),
+    ("wooden string instrument played with a bow", "v1"),
+    ("sunlight water and carbon dioxide into sugar", "v2"),
+    ("kings queens rooks bishops knights and pawns", "v3"),
+    ("flightless seabirds that swim with flippers", "v4"),
+    ("decentralized digital currency blockchain miners", "v5"),
+    ("ancient egyptian royal tombs limestone pharaohs", "v6"),
+    ("hormone made by the pancreas glucose", "v7"),
+    ("rise and fall of sea level moon", "v8"),
+    ("concentrated coffee forcing hot water through ground beans", "v9"),
+]
+
+LONG_QUERY = "volcano lava " * 900 + "x" * 2000  # ~13,700 characters
+
+
+def _check_hits(hits, k):
+    assert len(hits) <= k
+    assert all(isinstance(h, Hit) and type(h.score) is float and type(h.id) is str for h in hits)
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert len({h.id for h in hits}) == len(hits)
+    by_id = {p.id: p for p in CORPUS}
+    assert all((h.title, h.text) == (by_id[h.id].title, by_id[h.id].text) for h in hits)
+
+
+# ---------------------------------------------------------------------------- base class
+
+
+class _Spy(Retriever):
+    def __init__(self):
+        self.calls = []
+
+    def _search_unique(self, queries, k):
+        self.calls.append(list(queries))
+        return [[Hit(q, "", "", float(i))] for i, q in enumerate(queries)]
+
+
+def test_duplicate_queries_searched_once_and_aligned():
+    spy = _Spy()
+    out = spy.search(["a", "b", "a", "c", "b", "a"], k=3)
+    assert spy.calls == [["a", "b", "c"]]
+    assert [hits[0].id for hits in out] == ["a", "b", "a", "c", "b", "a"]
+    out[0].append("junk")  # each position gets its own list
+    assert len(out[2]) == 1
+
+
+def test_search_rejects_bad_arguments():
+    with pytest.raises(TypeError):
+        _Spy().search("one string", k=3)
+    with pytest.raises(ValueError, match="k must be"):
+        _Spy().search(["q"], k=0)
+
+
+def test_bm25_dedup_through_real_retriever():
+    r = BM25Retriever(CORPUS)
+    seen = []
+    orig = r._search_unique
+    r._search_unique = lambda qs, k: seen.append(list(qs)) or orig(qs, k)
+    qs = ["what causes ocean tides", "what causes ocean tides", "who maintains the blockchain ledger"]
+    out = r.search(qs, k=2)
+    assert seen == [[qs[0], qs[2]]]
+    assert out[0] == out[1] and out[0][0].id == "v8" and out[2][0].id == "v5"
+
+
+# ---------------------------------------------------------------------------- BM25
+
+
+@pytest.fixture(scope="module", params=["bm25s", "rank_bm25"])
+def bm25(request):
+    return BM25Retriever(CORPUS, backend=request.param)
+
+
+def test_bm25_gold_first(bm25):
+    out = bm25.search([q for q, _ in BM25_QUERIES], k=3)
+    for (q, gold), hits in zip(BM25_QUERIES, out):
+        _check_hits(hits, 3)
+        assert hits[0].id == gold, (q, [h.id for h in hits])
+        assert hits[0].score > 0
+
+
+def test_bm25_k_larger_than_corpus_and_only_matching_passages(bm25):
+    [hits] = bm25.search(["hot water"], k=100)  # "hot" in v0 and v9, "water" in v2 and v9
+    _check_hits(hits, 100)
+    assert hits[0].id == "v9" and {h.id for h in hits} == {"v0", "v2", "v9"}
+
+
+def test_bm25_empty_unknown_and_long_queries_do_not_raise(bm25):
+    out = bm25.search(["", "   ", "zzzz qqqq", "the and of", LONG_QUERY, "?!"], k=3)
+    assert out[:4] == [[], [], [], []]  # nothing shares a term (stopwords are dropped)
+    assert out[4][0].id == "v0"
+    assert out[5] == []
+
+
+def test_bm25_backends_agree_on_ranking():
+    a, b = BM25Retriever(CORPUS, "bm25s"), BM25Retriever(CORPUS, "rank_bm25")
+    qs = [q for q, _ in BM25_QUERIES]
+    assert [[h.id for h in hs][:1] for hs in a.search(qs, 3)] == [[h.id for h in hs][:1] for hs in b.search(qs, 3)]
+
+
+def test_bm25_rejects_unknown_backend_and_empty_corpus():
+    with pytest.raises(ValueError, match="rank_bm25"):
+        BM25Retriever(CORPUS, backend="lucene")
+    with pytest.raises(ValueError):
+        BM25Retriever([])
+
+
+# ---------------------------------------------------------------------------- dense
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    """A random 1-layer BERT and a word-level tokenizer over the test vocabulary, saved as an
+    HF folder. Its position and token-type embeddings are zeroed: in a random BERT they are
+    shared by every text and swamp a mean-pooled embedding, so what is left is a random
+    bag-of-words encoder, which ranks by shared words as a trained encoder roughly would."""
+    import torch
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    texts = [p.title + " " + p.text for p in CORPUS] + [q for q, _ in DENSE_QUERIES] + ['" query : passage']
+    words = sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]", t.lower())})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256,
+                                 vocab_size=len(vocab), max_position_embeddings=64))
+    with torch.no_grad():
+        model.embeddings.position_embeddings.weight.zero_()
+        model.embeddings.token_type_embeddings.weight.zero_()
+    root = tmp_path_factory.mktemp("encoders")
+    for name in ("tiny-bert", "tiny-e5-bert"):  # the second name selects E5's prefixes
+        model.save_pretrained(root / name)
+        fast.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def dense(encoder_dir):
+    return DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), batch_size=3, max_length=48)
+
+
+def test_dense_gold_first(dense):
+    out = dense.search([q for q, _ in DENSE_QUERIES], k=3)
+    for (q, gold), hits in zip(DENSE_QUERIES, out):
+        _check_hits(hits, 3)
+        assert hits[0].id == gold, (q, [(h.id, h.score) for h in hits])
+        assert hits[0].score > hits[1].score + 1e-3
+
+
+def test_dense_padding_does_not_change_embeddings(dense):
+    short, long = "violin bow", CORPUS[0].text
+    alone = dense.encode([short])
+    batched = dense.encode([long, short, short + " chin"])
+    np.testing.assert_allclose(batched[1], alone[0], atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-6)
+
+
+def test_dense_long_empty_and_large_k(dense):
+    out = dense.search(["", LONG_QUERY, "violin"], k=50)
+    for hits in out:
+        _check_hits(hits, 50)
+        assert len(hits) == len(CORPUS)
+
+
+def test_dense_cls_pooling_matches_manual_computation(encoder_dir):
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(encoder_dir / "tiny-bert")
+    r = DenseRetriever(CORPUS, path, pooling="cls", batch_size=4)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+
+    def cls(text):
+        with torch.no_grad():
+            h = model(**tok([text], return_tensors="pt")).last_hidden_state[0, 0]  # (H,)
+        return (h / h.norm()).numpy()
+
+    q = "wooden string instrument"
+    expected = np.array([cls(p.contents) @ cls(q) for p in CORPUS])  # (N,)
+    [hits] = r.search([q], k=4)
+    assert [h.id for h in hits] == [CORPUS[i].id for i in np.argsort(-expected)[:4]]
+    np.testing.assert_allclose([h.score for h in hits], np.sort(expected)[::-1][:4], atol=1e-5)
+
+
+def test_dense_prefixes_from_name_and_used(encoder_dir):
+    r = DenseRetriever(CORPUS[:3], str(encoder_dir / "tiny-e5-bert"))
+    assert (r.query_prefix, r.passage_prefix) == ("query: ", "passage: ")
+    stored = r.index.reconstruct_n(0, 3)  # (3, H)
+    np.testing.assert_allclose(stored, r.encode(["passage: " + p.contents for p in CORPUS[:3]]), atol=1e-6)
+    assert not np.allclose(stored, r.encode([p.contents for p in CORPUS[:3]]), atol=1e-3)
+    [hits] = r.search(["violin"], k=1)
+    assert hits[0].score == pytest.approx(float(r.encode(["query: violin"])[0] @ stored[1]), abs=1e-5)
+    assert default_prefixes("BAAI/bge-base-en-v1.5") == ("Represent this sentence for searching relevant passages: ", "")
+
+
+def test_dense_save_load_round_trip(dense, tmp_path):
+    dense.save(tmp_path / "idx")
+    assert json.loads((tmp_path / "idx" / "dense.json").read_text())["pooling"] == "mean"
+    loaded = DenseRetriever.load(tmp_path / "idx", CORPUS, batch_size=3)
+    qs = [q for q, _ in DENSE_QUERIES]
+    assert loaded.search(qs, 4) == dense.search(qs, 4)
+    # another batch size changes float rounding only
+    via_factory = build_retriever("dense", CORPUS, index=str(tmp_path / "idx"), batch_size=64)
+    for a, b in zip(via_factory.search(qs, 4), dense.search(qs, 4)):
+        assert [h.id for h in a] == [h.id for h in b]
+        np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=1e-6)
+    with pytest.raises(ValueError, match="different corpus"):
+        DenseRetriever.load(tmp_path / "idx", CORPUS[::-1])
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+class _SearchR1Handler(BaseHTTPRequestHandler):
+    """Search-R1's /retrieve over a BM25 "index"; `fail_first` answers 500 that many times."""
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv.requests.append((self.path, body))
+        if srv.status != 200 or srv.fail_first > 0:
+            srv.fail_first -= 1
+            return self._send(srv.status if srv.status != 200 else 500, {"detail": "boom"})
+        result = []
+        for hits in srv.index.search(body["queries"], body["topk"]):
+            docs = [{"id": h.id, "contents": Passage(h.id, h.title, h.text).contents} for h in hits]
+            if body.get("return_scores") and srv.wrap:
+                result.append([{"document": d, "score": h.score} for d, h in zip(docs, hits)])
+            else:
+                result.append(docs)
+        self._send(200, {"result": result})
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SearchR1Handler)
+    srv.index, srv.requests, srv.fail_first, srv.status, srv.wrap = BM25Retriever(CORPUS), [], 0, 200, True
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _url(srv):
+    return f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_http_client_parses_search_r1_reply(server):
+    qs = ["what causes ocean tides", "who maintains the blockchain ledger", "what causes ocean tides"]
+    out = HTTPRetriever(_url(server) + "/").search(qs, k=2)
+    assert out == server.index.search(qs, 2)  # ids, titles, texts and scores survive the trip
+    assert server.requests == [("/retrieve", {"queries": qs[:2], "topk": 2, "return_scores": True})]
+    assert HTTPRetriever(_url(server) + "/retrieve").search(qs[:1], k=1)[0][0].id == "v8"
+
+
+def test_http_client_accepts_bare_documents(server):
+    server.wrap = False
+    [hits] = HTTPRetriever(_url(server)).search(["what causes ocean tides"], k=2)
+    assert [(h.id, h.title, h.score) for h in hits][0] == ("v8", "Tides", 0.0)
+
+
+def test_http_client_retries_server_errors(server):
+    server.fail_first = 2
+    out = HTTPRetriever(_url(server), retries=3, backoff=0.01).search(["what causes ocean tides"], k=1)
+    assert out[0][0].id == "v8" and len(server.requests) == 3
+
+
+def test_http_client_gives_up_with_clear_error(server):
+    server.fail_first = 10
+    with pytest.raises(RuntimeError, match=r"/retrieve failed after 3 attempt\(s\): HTTP 500"):
+        HTTPRetriever(_url(server), retries=2, backoff=0.01).search(["q"], k=1)
+    assert len(server.requests) == 3
+
+
+def test_http_client_does_not_retry_client_errors(server):
+    server.status = 422
+    with pytest.raises(RuntimeError, match="HTTP 422"):
+        HTTPRetriever(_url(server), retries=3, backoff=0.01).search(["q"], k=1)
+    assert len(server.requests) == 1
+
+
+def test_http_client_dead_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/retrieve"
+    with pytest.raises(RuntimeError, match=re.escape(url)):
+        HTTPRetriever(url, timeout=1.0, retries=2, backoff=0.01).search(["q"], k=3)
+
+
+# ---------------------------------------------------------------------------- factory
+
+
+def test_build_retriever(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    for kind in ("bm25", "rank_bm25"):
+        r = build_retriever(kind, str(tmp_path / "c.jsonl"))
+        assert r.search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    assert isinstance(build_retriever("http", url="http://localhost:8000"), HTTPRetriever)
+    with pytest.raises(ValueError, match="bm25, rank_bm25, dense, http"):
+        build_retriever("elastic", str(tmp_path / "c.jsonl"))
+    with pytest.raises(ValueError, match="url"):
+        build_retriever("http")
+    with pytest.raises(ValueError, match="encoder"):
+        build_retriever("dense", CORPUS)
