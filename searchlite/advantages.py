@@ -1,0 +1,150 @@
+"""Advantages for PPO (GAE), GRPO (group-normalised) and REINFORCE++ (whitened returns).
+
+Pure functions on tensors, all under `torch.no_grad()`. `train.py` calls one of them after
+the rewards, with `scores` the (B,) per-trajectory reward and `loss_mask` the (B, T) mask
+(1 = token sampled by the policy):
+
+    PPO          adv, ret = gae(ppo_token_rewards(scores, kl, loss_mask, kl_coef),
+                                values, loss_mask, gamma, lam)
+    GRPO         adv = broadcast(group_advantages(scores, group), loss_mask)
+    REINFORCE++  adv = reinforce_pp_advantages(scores, kl, loss_mask, kl_coef, gamma)
+
+Time steps are policy tokens only: a prompt, retrieved passage, injected message or pad
+token is not a step, so inserting any number of them changes no advantage (DESIGN.md,
+"Algorithms"). Every returned (B, T) tensor is 0 where `loss_mask == 0`.
+
+Left out on purpose: verl's UUID-keyed grouping (a question's `group` rollouts are adjacent,
+so `scores.view(-1, group)`), RLOO / ReMax / Dr.GRPO variants, adaptive KL control, and
+whitening of GAE advantages (call `losses.masked_whiten(adv, loss_mask)` if wanted).
+
+>>> mask = torch.tensor([[1, 1, 0, 1, 0]])          # 3 policy tokens, one retrieved, one pad
+>>> place_on_last_token(torch.tensor([2.0]), mask)
+tensor([[0., 0., 0., 2., 0.]])
+"""
+
+import torch
+
+from searchlite.losses import masked_whiten
+
+
+@torch.no_grad()
+def gae(rewards, values, loss_mask, gamma: float, lam: float):
+    """Generalised advantage estimation over policy tokens (Schulman et al. 2016, eq. 16).
+
+    delta_t = r_t + gamma * V(next policy token) - V_t,  A_t = delta_t + gamma * lam * A_next,
+    where "next" is the next position with loss_mask == 1 in the same row (V = 0, A = 0
+    after the last one). Rewards and values at masked positions are ignored entirely.
+    Returns (adv, ret), both (B, T), with ret = adv + values (the lambda-return, the
+    critic's target); both are 0 where loss_mask == 0.
+
+    >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.5, 0.5]])
+    >>> gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)[0]   # = total reward - V_t
+    tensor([[0.5000, 0.5000, 0.5000]])
+    """
+    mask = loss_mask.bool()  # (B, T)
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=values.dtype, device=values.device)  # (B, T)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,) V at next policy token
+    next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)  # (B,) A at next policy token
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        a = delta + gamma * lam * next_adv  # (B,)
+        m = mask[:, t]  # (B,)
+        # A masked position is not a step: it writes nothing and carries "next" through.
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+        next_adv = torch.where(m, a, next_adv)
+        next_value = torch.where(m, values[:, t], next_value)
+    ret = torch.where(mask, adv + values, torch.zeros_like(adv))  # (B, T)
+    return adv, ret
+
+
+@torch.no_grad()
+def group_advantages(scores, group: int, eps: float = 1e-6, norm_std: bool = True):
+    """GRPO outcome advantage (DeepSeekMath §4.1.2; Search-R1 §3.1), one per trajectory.
+
+    `scores` (N,) with N = B * group and each question's rollouts adjacent, so row i of
+    `scores.view(-1, group)` is question i. adv = (r - mean_g) / (std_g + eps), with the
+    unbiased std (torch.std's default), as verl's GRPO does; `norm_std=False` drops the
+    division (Dr.GRPO). A group whose rewards are all equal gets exactly 0, not a
+    rounding residue. `group == 1` is REINFORCE with a batch-mean baseline,
+    adv = r - mean(r) over the batch, no std division (Search-R1 Table 8).
+    Returns (N,); spread it to tokens with `broadcast`.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group=3)
+    tensor([ 1.1547, -0.5773, -0.5773, -1.1547,  0.5773,  0.5773])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group=1)
+    tensor([ 0.5000, -0.5000, -0.5000,  0.5000])
+    """
+    if group < 1 or scores.numel() % group:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group}")
+    if group == 1:
+        g = scores.view(1, -1)  # (1, N): the whole batch is the baseline's group
+    else:
+        g = scores.view(-1, group)  # (B, group)
+    adv = g - g.mean(dim=1, keepdim=True)  # (B, group)
+    if group > 1 and norm_std:
+        adv = adv / (g.std(dim=1, keepdim=True) + eps)
+    # mean() of equal floats can miss them in the last bit, and std is then ~1e-8, so the
+    # quotient is not small (seven rewards of 0.7 in fp32 give 0.056 each): force zeros.
+    same = (g == g[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
+    adv = torch.where(same, torch.zeros_like(adv), adv)
+    return adv.reshape(-1)
+
+
+def broadcast(adv_seq, loss_mask):
+    """Spread a (B,) per-trajectory advantage to its policy tokens: (B, T), 0 elsewhere.
+
+    >>> broadcast(torch.tensor([2.0, -1.0]), torch.tensor([[1, 0, 1], [0, 1, 1]]))
+    tensor([[ 2.,  0.,  2.],
+            [ 0., -1., -1.]])
+    """
+    adv = adv_seq.unsqueeze(1).expand(loss_mask.shape)  # (B, T)
+    return torch.where(loss_mask.bool(), adv, torch.zeros_like(adv))
+
+
+def place_on_last_token(scores, loss_mask):
+    """A (B, T) tensor with scores[b] on row b's last policy token and 0 elsewhere.
+
+    The last policy token is the last position with loss_mask == 1 (the `</answer>` or
+    EOS the policy wrote), not the last non-pad token, which may be injected text. A row
+    without policy tokens gets nothing.
+    """
+    mask = loss_mask.bool()  # (B, T)
+    B, T = mask.shape
+    pos = torch.arange(T, device=mask.device).expand(B, T)  # (B, T)
+    last = torch.where(mask, pos, torch.full_like(pos, -1)).max(dim=1).values  # (B,)
+    out = torch.zeros(B, T, dtype=scores.dtype, device=scores.device)  # (B, T)
+    has = last >= 0  # (B,)
+    out[has, last[has]] = scores[has]
+    return out
+
+
+def ppo_token_rewards(scores, kl, loss_mask, kl_coef: float):
+    """Per-token PPO reward: -kl_coef * kl_t on policy tokens + the score on the last one.
+
+    Search-R1's PPO keeps the KL to the reference in the reward (k1, `kl` from
+    `losses.kl_penalty(old_logp, ref_logp, "k1")`), as in InstructGPT / verl.
+    `scores` (B,), `kl` and `loss_mask` (B, T) -> (B, T).
+
+    >>> ppo_token_rewards(torch.tensor([1.0]), torch.tensor([[2.0, 5.0, 4.0]]),
+    ...                   torch.tensor([[1, 0, 1]]), kl_coef=0.1)
+    tensor([[-0.2000,  0.0000,  0.6000]])
+    """
+    mask = loss_mask.bool()  # (B, T)
+    penalty = torch.where(mask, -kl_coef * kl, torch.zeros_like(kl))  # (B, T)
+    return penalty + place_on_last_token(scores, loss_mask)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(scores, kl, loss_mask, kl_coef: float, gamma: float = 1.0, eps: float = 1e-8):
+    """REINFORCE++ advantages (R1-Searcher++ eq. 1-2; OpenRLHF), (B, T).
+
+    r_t = -kl_coef * kl_t on policy tokens, plus the trajectory's score (B,) on its last
+    policy token (eq. 1); G_t = r_t + gamma * G_next, the return-to-go over policy tokens
+    only; then whitened over every policy token of the whole batch (eq. 2): masked mean
+    and population std, as OpenRLHF does. No critic, no group baseline.
+    """
+    rewards = ppo_token_rewards(scores, kl, loss_mask, kl_coef)  # (B, T)
+    # With V = 0 and lam = 1, GAE's advantage is exactly the masked return-to-go.
+    ret, _ = gae(rewards, torch.zeros_like(rewards), loss_mask, gamma=gamma, lam=1.0)  # (B, T)
+    return masked_whiten(ret, loss_mask, eps=eps)

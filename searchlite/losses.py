@@ -1,0 +1,184 @@
+"""Token log-probs, masked reductions, PPO policy / value losses and KL estimators.
+
+Pure functions on tensors. `train.py` runs `logits = model(input_ids).logits`, then
+`logp = token_logprobs(logits, input_ids)` and feeds `logp`, `old_logp`, `ref_logp`, `adv`
+and `loss_mask` (all `(B, T)`) to `policy_loss`, `kl_penalty` and `aggregate`.
+
+Alignment, used everywhere: position t of every `(B, T)` tensor is about token
+`input_ids[:, t]`. `logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, and
+`loss_mask[:, t] = 1` when the policy sampled `input_ids[:, t]`. Position 0 has no
+prediction (logp 0). So the logits that produce `logp[:, t]` sit at `logits[:, t - 1]`.
+
+All losses use only positions with `loss_mask == 1` (Search-R1 §3.1, retrieved-token
+masking): masked entries are selected away with `torch.where`, so whatever sits there
+(retrieved text, padding, even inf) changes neither the loss nor any gradient.
+
+Left out on purpose: dual-clip PPO, asymmetric (clip-higher) ranges, the k2 estimator,
+entropy bonus weighting and loss scaling across micro-batches (the caller owns those).
+
+>>> logits = torch.zeros(1, 3, 4)            # uniform over 4 tokens
+>>> token_logprobs(logits, torch.tensor([[0, 1, 2]]))
+tensor([[ 0.0000, -1.3863, -1.3863]])
+"""
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t] | input_ids[:, :t]) for every position; position 0 gets 0.
+
+    `logits` (B, T, V) come straight from `model(input_ids)`; `logits[:, t]` predicts
+    token t + 1. Computed as gathered logit minus logsumexp, one row at a time in (at least) fp32,
+    so peak extra memory is one (T, V) row, never a full (B, T, V) log_softmax copy.
+    """
+    B, T, _ = logits.shape
+    logp = logits.new_zeros(B, T, dtype=torch.promote_types(logits.dtype, torch.float32))  # (B, T)
+    for b in range(B):
+        row = logits[b, :-1].to(logp.dtype)  # (T-1, V) predictions for tokens 1..T-1
+        target = input_ids[b, 1:]  # (T-1,)
+        picked = row.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (T-1,)
+        logp[b, 1:] = picked - torch.logsumexp(row, dim=-1)
+    return logp
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution that produced each token; same alignment as logp.
+
+    ent[:, t] is H(p(. | input_ids[:, :t])), from `logits[:, t - 1]`; ent[:, 0] = 0.
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, one row at a time in fp32.
+
+    >>> entropy_from_logits(torch.zeros(1, 2, 4))   # uniform: log 4
+    tensor([[0.0000, 1.3863]])
+    """
+    B, T, _ = logits.shape
+    ent = logits.new_zeros(B, T, dtype=torch.promote_types(logits.dtype, torch.float32))  # (B, T)
+    for b in range(B):
+        row = logits[b, :-1].to(ent.dtype)  # (T-1, V)
+        probs = torch.softmax(row, dim=-1)  # (T-1, V)
+        ent[b, 1:] = torch.logsumexp(row, dim=-1) - (probs * row).sum(-1)
+    return ent
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x over entries where the 0/1 `mask` is set; an empty mask gives 0.
+
+    >>> masked_mean(torch.tensor([1.0, 2.0, 100.0]), torch.tensor([1, 1, 0]))
+    tensor(1.5000)
+    """
+    m = mask.bool()  # same shape as x
+    # where, not x * m: a NaN/inf at a masked position must not leak in (0 * inf = NaN).
+    picked = torch.where(m, x, torch.zeros_like(x))  # same shape as x
+    if dim is None:
+        return picked.sum() / m.sum().clamp(min=1)
+    return picked.sum(dim) / m.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries; 0 where mask == 0.
+
+    mean and (population) variance are over every masked entry of the whole tensor, as
+    OpenRLHF whitens REINFORCE++ advantages (R1-Searcher++ eq. 2).
+
+    >>> masked_whiten(torch.tensor([[1.0, 3.0, 7.0]]), torch.tensor([[1, 1, 0]]))
+    tensor([[-1.,  1.,  0.]])
+    """
+    mean = masked_mean(x, mask)  # ()
+    var = masked_mean((x - mean) ** 2, mask)  # ()
+    out = (x - mean) * torch.rsqrt(var + eps)  # same shape as x
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def aggregate(loss_tok: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar over policy tokens.
+
+    "token_mean": sum(l * m) / sum(m) over the whole batch — every token weighs the same
+    (Search-R1 / verl default). "seq_mean_token_mean": mean over sequences of each
+    sequence's token mean — every sequence weighs the same (R1-Searcher++ / OpenRLHF);
+    sequences without any policy token are left out of that mean.
+
+    >>> l = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    >>> aggregate(l, m, "token_mean"), aggregate(l, m, "seq_mean_token_mean")
+    (tensor(1.7500), tensor(2.5000))
+    """
+    if mode == "token_mean":
+        return masked_mean(loss_tok, loss_mask)
+    if mode == "seq_mean_token_mean":
+        per_seq = masked_mean(loss_tok, loss_mask, dim=-1)  # (B,)
+        has_tokens = loss_mask.bool().any(dim=-1)  # (B,)
+        return masked_mean(per_seq, has_tokens)
+    raise ValueError(f"unknown aggregation mode {mode!r}: use 'token_mean' or 'seq_mean_token_mean'")
+
+
+def policy_loss(logp, old_logp, adv, loss_mask, clip_eps: float, mode: str = "token_mean"):
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to minimise.
+
+    loss_t = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A_t) with
+    ratio_t = exp(logp_t - old_logp_t). Returns (loss, clipfrac): clipfrac is the fraction
+    of policy tokens where the clipped term is the smaller one, i.e. gets no gradient.
+    All inputs (B, T); `adv` is already broadcast to tokens.
+
+    >>> z = torch.zeros(1, 3)
+    >>> policy_loss(z, z, torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]]), 0.2)
+    (tensor(-1.5000), tensor(0.))
+    """
+    m = loss_mask.bool()  # (B, T)
+    # Neutralise masked positions before exp: a pad filler in old_logp would give
+    # ratio = inf there, and 0 * inf = NaN in the backward pass, straight into the model.
+    log_ratio = torch.where(m, logp - old_logp, torch.zeros_like(logp))  # (B, T)
+    adv = torch.where(m, adv, torch.zeros_like(adv))  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    surr = ratio * adv  # (B, T)
+    surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv  # (B, T)
+    loss_tok = -torch.minimum(surr, surr_clipped)  # (B, T)
+    clipfrac = masked_mean((surr_clipped < surr).float(), loss_mask)
+    return aggregate(loss_tok, loss_mask, mode), clipfrac.detach()
+
+
+def value_loss(values, old_values, ret, loss_mask, clip_eps: float, mode: str = "token_mean"):
+    """Clipped value loss, 0.5 * max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2).
+
+    As in OpenAI baselines' PPO2 and verl's `compute_value_loss`: the critic may not move
+    more than `clip_eps` from the values it had at rollout time without paying for it.
+    Returns (loss, clipfrac); all inputs (B, T).
+
+    >>> v = torch.tensor([[1.0, 0.0]]); m = torch.ones(1, 2)
+    >>> value_loss(v, v, torch.tensor([[3.0, 0.0]]), m, 0.2)
+    (tensor(1.), tensor(0.))
+    """
+    m = loss_mask.bool()  # (B, T)
+    # Same reason as in policy_loss: garbage targets at masked positions must not reach
+    # the backward pass (0 * inf = NaN).
+    ret = torch.where(m, ret, torch.zeros_like(ret))  # (B, T)
+    old_values = torch.where(m, old_values, torch.zeros_like(old_values))  # (B, T)
+    v_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)  # (B, T)
+    err = (values - ret) ** 2  # (B, T)
+    err_clipped = (v_clipped - ret) ** 2  # (B, T)
+    loss_tok = 0.5 * torch.maximum(err, err_clipped)  # (B, T)
+    clipfrac = masked_mean((err_clipped > err).float(), loss_mask)
+    return aggregate(loss_tok, loss_mask, mode), clipfrac.detach()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs, (B, T).
+
+    Estimators from http://joschu.net/blog/kl-approx.html, with x ~ pi and
+    log r = ref_logp - logp:
+      "k1": -log r = logp - ref_logp. Unbiased, high variance, can be negative. Search-R1's
+            PPO folds it into the per-token reward.
+      "k3": r - log r - 1 >= 0. Unbiased, low variance; verl's "low_var_kl", used in the
+            GRPO loss. As verl does, log r is clamped to [-20, 20] before exp (exp(20) is
+            finite in fp32 and bf16, so no inf and no NaN gradient), and the result is
+            clamped to [-10, 10].
+
+    >>> kl_penalty(torch.tensor([0.0]), torch.tensor([-1.0]), "k1")
+    tensor([1.])
+    >>> kl_penalty(torch.tensor([0.0]), torch.tensor([0.0]), "k3")
+    tensor([0.])
+    """
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "k3":
+        log_ratio = torch.clamp(ref_logp - logp, -20.0, 20.0)  # (B, T)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}: use 'k1' or 'k3'")

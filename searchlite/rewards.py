@@ -1,0 +1,150 @@
+"""Answer rewards: normalisation, EM / F1 / cover-EM, format reward, group reward.
+
+The reward sits on the last policy token of a trajectory; this module only turns strings
+and per-rollout counts into floats. `train.py` calls, per trajectory,
+`exact_match(pred, golds)` (Search-R1's training reward) or, for R1-Searcher++,
+`format_reward(ok) + cover_exact_match(pred, golds)` plus `group_reward(...)` over each
+question's group of rollouts. `evaluate.py` reports EM, F1 and cover-EM.
+
+`pred` is the text inside the final `<answer>...</answer>` (None when there was none);
+`golds` is the list of golden answers (a bare string is taken as a one-item list).
+
+Left out on purpose: answer extraction from the trajectory (that is `protocol.py`), model-
+or LLM-judged rewards, and any tensor code (stdlib only, so rewards can run anywhere).
+
+>>> normalize_answer("The  Eiffel Tower!")
+'eiffel tower'
+>>> exact_match("the eiffel tower", ["Eiffel Tower", "La tour Eiffel"])
+1.0
+>>> cover_exact_match("It is the Eiffel Tower in Paris", ["eiffel tower"])
+1.0
+"""
+
+import re
+import string
+import statistics
+from collections import Counter
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_YES_NO = ("yes", "no", "noanswer")
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD v1.1 normalisation, as Search-R1 and FlashRAG use it.
+
+    Lower-case, drop ASCII punctuation, drop the articles a/an/the as whole words, fold
+    whitespace. The order matters and is SQuAD's: "T.he" -> "the" -> "".
+
+    >>> normalize_answer("  An Apple,  a DAY. ")
+    'apple day'
+    >>> normalize_answer("theatre")  # articles only as whole words
+    'theatre'
+    """
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCT)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def _as_list(golds) -> list:
+    # A bare string would otherwise be iterated character by character.
+    return [golds] if isinstance(golds, str) else list(golds)
+
+
+def exact_match(pred: str | None, golds: list[str]) -> float:
+    """1.0 if the normalised prediction equals some normalised gold, else 0.0.
+
+    >>> exact_match("Paris.", ["paris", "Paris, France"])
+    1.0
+    >>> exact_match(None, ["paris"])
+    0.0
+    """
+    if pred is None:
+        return 0.0
+    p = normalize_answer(pred)
+    return float(any(p == normalize_answer(g) for g in _as_list(golds)))
+
+
+def _f1_one(pred: str, gold: str) -> float:
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    # SQuAD/HotpotQA/FlashRAG special case: a yes/no/noanswer on either side only
+    # scores when both sides agree exactly (no partial credit for "no" vs "no way").
+    if (p in _YES_NO or g in _YES_NO) and p != g:
+        return 0.0
+    p_tok, g_tok = p.split(), g.split()
+    n_same = sum((Counter(p_tok) & Counter(g_tok)).values())
+    if n_same == 0:
+        return 0.0
+    precision, recall = n_same / len(p_tok), n_same / len(g_tok)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(pred: str | None, golds: list[str]) -> float:
+    """Token-level F1 (SQuAD), max over golds; None -> 0.0.
+
+    >>> round(f1_score("Eiffel tower in Paris", ["the Eiffel Tower"]), 4)
+    0.6667
+    """
+    if pred is None:
+        return 0.0
+    return max((_f1_one(pred, g) for g in _as_list(golds)), default=0.0)
+
+
+def cover_exact_match(pred: str | None, golds: list[str], max_words: int = 10) -> float:
+    """R1-Searcher++ answer reward: a normalised gold occurs in the normalised prediction.
+
+    The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"),
+    and the prediction may have at most `max_words` whitespace-separated words, counted
+    on the raw prediction as the model wrote it — otherwise 0.0, so the policy cannot win
+    by listing candidates (R1-Searcher++ §4.2.1). Golds that normalise to "" never match.
+
+    >>> cover_exact_match("paris, france", ["Paris"])
+    1.0
+    >>> cover_exact_match("parisian", ["Paris"])
+    0.0
+    >>> cover_exact_match("one two three four five six seven eight nine ten paris", ["paris"])
+    0.0
+    """
+    if pred is None or len(pred.split()) > max_words:
+        return 0.0
+    p = f" {normalize_answer(pred)} "
+    for g in _as_list(golds):
+        g = normalize_answer(g)
+        if g and f" {g} " in p:
+            return 1.0
+    return 0.0
+
+
+def format_reward(ok: bool) -> float:
+    """R1-Searcher++ R_format (§4.2.1): 0 for a well-formed trajectory, -2 otherwise.
+
+    >>> format_reward(True), format_reward(False)
+    (0.0, -2.0)
+    """
+    return 0.0 if ok else -2.0
+
+
+def group_reward(correct: list[bool], n_searches: list[int], eta: float = 2.0) -> list[float]:
+    """R1-Searcher++ group reward (§4.2.1) for one question's group of rollouts.
+
+    sigma is the population standard deviation of the retrieval counts over the WHOLE
+    group (correct and wrong rollouts alike, as the paper's "std of retrieval counts in
+    the group"). Each correct rollout whose count equals the fewest among the correct ones
+    gets min(2 * sigma**2, eta); ties all get it; everything else gets 0. No correct
+    rollout, or all counts equal (sigma = 0), gives all zeros: the bonus only rewards
+    being cheaper than the group's alternatives.
+
+    >>> group_reward([True, True, False, True], [1, 2, 3, 1])   # sigma^2 = 0.6875
+    [1.375, 0.0, 0.0, 1.375]
+    >>> group_reward([False, False], [0, 3])
+    [0.0, 0.0]
+    """
+    if len(correct) != len(n_searches):
+        raise ValueError(f"{len(correct)} correctness flags but {len(n_searches)} search counts")
+    if not any(correct):
+        return [0.0] * len(correct)
+    # 2 * sigma^2 straight from the variance: no sqrt-then-square rounding.
+    bonus = float(min(2.0 * statistics.pvariance(n_searches), eta))
+    fewest = min(n for n, c in zip(n_searches, correct) if c)
+    return [bonus if c and n == fewest else 0.0 for n, c in zip(n_searches, correct)]

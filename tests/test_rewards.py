@@ -1,0 +1,131 @@
+"""Rewards against hand-derived values (SQuAD normalisation, EM, F1, cover-EM, group reward)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from searchlite.rewards import (
+    cover_exact_match,
+    exact_match,
+    f1_score,
+    format_reward,
+    group_reward,
+    normalize_answer,
+)
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("The Cat", "cat"),  # case + leading article
+        ("  Hello,   World!  ", "hello world"),  # punctuation + whitespace
+        ("an apple a day", "apple day"),  # all three articles as words
+        ("Theater anthem", "theater anthem"),  # articles only as whole words
+        ("A.B.C.", "abc"),  # punctuation removed before articles: "abc", not "b c"
+        ("t.he end", "end"),  # "t.he" -> "the" -> removed (SQuAD order)
+        ("Rock 'n' Roll", "rock n roll"),
+        ("\tNew\nYork ", "new york"),
+        ("", ""),
+        ("the", ""),
+        ("Ünïcode Straße", "ünïcode straße"),
+    ],
+)
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+@given(st.text())
+@settings(max_examples=300, deadline=None)
+def test_normalize_answer_idempotent_and_total(s):
+    once = normalize_answer(s)
+    assert isinstance(once, str)
+    assert normalize_answer(once) == once
+    assert once == " ".join(once.split())  # no leading, trailing or repeated whitespace
+
+
+@pytest.mark.parametrize(
+    "pred, golds, expected",
+    [
+        ("The Eiffel Tower", ["eiffel tower"], 1.0),
+        ("Eiffel", ["Eiffel Tower"], 0.0),
+        ("paris!", ["London", "Paris"], 1.0),  # any gold
+        ("Paris", "paris", 1.0),  # a bare string is one gold, not a list of letters
+        ("p", "paris", 0.0),
+        (None, ["paris"], 0.0),
+        ("paris", [], 0.0),
+    ],
+)
+def test_exact_match(pred, golds, expected):
+    assert exact_match(pred, golds) == expected
+
+
+@pytest.mark.parametrize(
+    "pred, golds, expected",
+    [
+        # pred {eiffel, tower, in, paris}, gold {eiffel, tower}: P = 1/2, R = 1 -> 2/3
+        ("Eiffel Tower in Paris", ["the Eiffel Tower"], 2 / 3),
+        ("new york city", ["york", "New York City"], 1.0),  # max over golds
+        # "cat cat cat" vs "cat": overlap min(3, 1) = 1 -> P = 1/3, R = 1 -> 1/2
+        ("the cat cat cat", ["cat"], 0.5),
+        ("dog", ["cat"], 0.0),
+        # yes/no special case: plain token F1 would give 2/3 and 1/2
+        ("no", ["no way"], 0.0),
+        ("yes it is", ["yes"], 0.0),
+        ("Yes.", ["yes"], 1.0),
+        (None, ["cat"], 0.0),
+    ],
+)
+def test_f1_score(pred, golds, expected):
+    assert f1_score(pred, golds) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "pred, golds, kwargs, expected",
+    [
+        ("It is the Eiffel Tower.", ["eiffel tower"], {}, 1.0),
+        ("parisian food", ["paris"], {}, 0.0),  # word boundaries, not raw substring
+        ("I think Lyon", ["Paris", "lyon"], {}, 1.0),
+        ("one two three four five six seven eight nine paris", ["paris"], {}, 1.0),  # 10 words
+        ("one two three four five six seven eight nine ten paris", ["paris"], {}, 0.0),  # 11
+        ("a b c paris", ["paris"], {"max_words": 3}, 0.0),
+        ("the cat", ["the"], {}, 0.0),  # gold normalises to "": never covers
+        ("eiffel", ["eiffel tower"], {}, 0.0),  # partial gold is not covered
+        (None, ["paris"], {}, 0.0),
+    ],
+)
+def test_cover_exact_match(pred, golds, kwargs, expected):
+    assert cover_exact_match(pred, golds, **kwargs) == expected
+
+
+def test_format_reward():
+    assert format_reward(True) == 0.0
+    assert format_reward(False) == -2.0
+
+
+@pytest.mark.parametrize(
+    "correct, n, eta, expected",
+    [
+        # counts 1,2,3,1: mean 1.75, var (0.5625+0.0625+1.5625+0.5625)/4 = 0.6875 -> 1.375;
+        # two correct rollouts tie for fewest (1 search): both get it
+        ([True, True, False, True], [1, 2, 3, 1], 2.0, [1.375, 0.0, 0.0, 1.375]),
+        # counts 0,4,0,4: var 4 -> 2*var = 8, capped at eta = 2; the wrong rollout with
+        # 0 searches does not count; fewest among correct is index 2
+        ([False, True, True, False], [0, 4, 0, 4], 2.0, [0.0, 0.0, 2.0, 0.0]),
+        # counts 0,2,3: mean 5/3, var 14/9 -> 28/9 under eta = 5
+        ([False, True, True], [0, 2, 3], 5.0, [0.0, 28 / 9, 0.0]),
+        # sigma over the WHOLE group: var of 1,1,4 is 2 -> 4 (over the correct ones it is 0)
+        ([True, True, False], [1, 1, 4], 10.0, [4.0, 4.0, 0.0]),
+        ([False, False, False], [0, 1, 2], 2.0, [0.0, 0.0, 0.0]),  # no correct rollout
+        ([True, True], [2, 2], 2.0, [0.0, 0.0]),  # sigma = 0
+        ([True], [3], 2.0, [0.0]),
+    ],
+)
+def test_group_reward(correct, n, eta, expected):
+    got = group_reward(correct, n, eta=eta)
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert all(isinstance(x, float) for x in got)
+
+
+def test_group_reward_length_mismatch():
+    with pytest.raises(ValueError):
+        group_reward([True, False], [1])
