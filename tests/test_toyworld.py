@@ -1,0 +1,218 @@
+"""The toy world: reproducible, answerable, split honestly, searchable, and tokenized exactly."""
+
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from searchlite.toytokenizer import EOS, PAD, TAGS, build_tokenizer, format_result, read_templates, world_texts
+from searchlite.toyworld import COMPARISONS, MIX, _one_off, build_world, main, write_world
+
+ASSETS = Path(__file__).resolve().parents[1] / "searchlite" / "assets" / "toyworld"
+FILES = ["corpus.jsonl", "train.jsonl", "test.jsonl", "tokenizer.json", "tokenizer_config.json"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return build_world(0)
+
+
+@pytest.fixture(scope="module")
+def tok(world):
+    return build_tokenizer(world_texts(world))
+
+
+def _contents(p: dict) -> str:
+    return f'"{p["title"]}"\n{p["text"]}'
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {f: (folder / f).read_bytes() for f in FILES if (folder / f).exists()}
+
+
+# ---------------------------------------------------------------------------- the world
+
+
+def test_same_seed_same_bytes_other_seed_other_world(tmp_path):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        write_world(build_world(seed), tmp_path / name)
+    a, b, c = (_files(tmp_path / n) for n in "abc")
+    assert set(a) == {"corpus.jsonl", "train.jsonl", "test.jsonl"}
+    assert a == b
+    assert all(a[f] != c[f] for f in a)
+
+
+def test_files_have_the_shared_formats(world, tmp_path):
+    from searchlite.data import read_corpus, read_qa
+
+    write_world(world, tmp_path)
+    assert [(p.id, p.title, p.text) for p in read_corpus(tmp_path / "corpus.jsonl")] == [
+        (p["id"], p["title"], p["text"]) for p in world.passages]
+    qa = read_qa(tmp_path / "test.jsonl")
+    assert [(q.id, q.question, q.answers, q.meta["hops"]) for q in qa] == [
+        (q["id"], q["question"], q["golden_answers"], q["hops"]) for q in world.test]
+    raw = (tmp_path / "corpus.jsonl").read_bytes()
+    assert raw.isascii() and b"\r" not in raw and raw.endswith(b"\n")
+    corpus = [json.loads(line) for line in raw.decode().splitlines()]
+    assert corpus[0] == {"id": "0", "contents": _contents(world.passages[0])}
+    assert [list(c) for c in corpus] == [["id", "contents"]] * len(world.passages)
+    for split, rows in (("train", world.train), ("test", world.test)):
+        lines = (tmp_path / f"{split}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == rows
+        assert list(rows[0])[:3] == ["id", "question", "golden_answers"]
+
+
+def test_sizes_mix_and_famous_share(world):
+    assert len(world.passages) == len(world.entities) == 450
+    assert len({p["id"] for p in world.passages}) == 450
+    assert len({e["name"] for e in world.entities}) == 450
+    assert (len(world.train), len(world.test)) == (3600, 400)
+    for rows in (world.train, world.test):
+        types = Counter(q["type"] for q in rows)
+        assert {t: n / len(rows) for t, n in types.items()} == pytest.approx(MIX, abs=0.01)
+        assert 0.1 <= sum(q["famous"] for q in rows) / len(rows) <= 0.25
+    famous = sum(e["famous"] for e in world.entities) / len(world.entities)
+    assert 0.15 <= famous <= 0.2
+    for p in world.passages:
+        assert 12 <= len(p["text"].split()) <= 40, p
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_every_question_is_answerable_from_its_passages(world, split):
+    docs = {p["id"]: p for p in world.passages}
+    for q in getattr(world, split):
+        assert q["id"].startswith(split) and len(q["golden_answers"]) == 1
+        for hop in q["hops"]:
+            doc = docs[hop["doc_id"]]
+            assert doc["title"] == hop["query"]
+            assert re.search(rf"\b{re.escape(hop['answer'])}\b", doc["text"]), (q, doc)
+        gold = q["golden_answers"][0]
+        if q["type"] == "comparison":
+            relation, best, _ = COMPARISONS[q["relation"]]
+            a, b = q["hops"]
+            assert a["answer"] != b["answer"] and re.fullmatch(r"\d{4}", a["answer"])
+            assert gold == best((a, b), key=lambda h: int(h["answer"]))["query"]
+        else:
+            assert gold == q["hops"][-1]["answer"]
+            assert len(q["hops"]) == {"1hop": 1, "2hop": 2}[q["type"]]
+        if q["type"] == "2hop":
+            assert q["bridge"] == q["hops"][0]["answer"] == q["hops"][1]["query"]
+        else:
+            assert q["bridge"] is None
+        assert q["famous"] == all(h["famous"] for h in q["hops"])
+
+
+def test_train_and_test_are_disjoint(world):
+    famous_names = {e["name"] for e in world.entities if e["famous"]}
+    for q in world.train + world.test:
+        for hop in q["hops"]:
+            assert hop["famous"] == (hop["query"] in famous_names)
+    assert not {q["question"] for q in world.train} & {q["question"] for q in world.test}
+    train_facts = {(h["doc_id"], h["answer"]) for q in world.train for h in q["hops"]}
+    test_facts = {(h["doc_id"], h["answer"]) for q in world.test for h in q["hops"] if not h["famous"]}
+    assert len(test_facts) > 150
+    assert not train_facts & test_facts
+    # famous facts are the ones allowed in both, and they are
+    famous_test = {(h["doc_id"], h["answer"]) for q in world.test for h in q["hops"] if h["famous"]}
+    assert famous_test & train_facts
+
+
+def _bm25_top(passages: list[dict], queries: list[str], k1: float = 1.5, b: float = 0.75) -> list[str]:
+    """Plain Okapi BM25 over title + text (Lucene idf), the best passage id per query."""
+    words = [re.findall(r"\w+", f"{p['title']} {p['text']}".lower()) for p in passages]
+    tfs, avg = [Counter(w) for w in words], sum(map(len, words)) / len(words)
+    df = Counter(t for tf in tfs for t in tf)
+    idf = {t: math.log(1 + (len(words) - n + 0.5) / (n + 0.5)) for t, n in df.items()}
+    best = []
+    for q in queries:
+        terms = re.findall(r"\w+", q.lower())
+        scores = [sum(idf.get(t, 0) * tf[t] * (k1 + 1) / (tf[t] + k1 * (1 - b + b * len(w) / avg)) for t in terms)
+                  for tf, w in zip(tfs, words)]
+        best.append(passages[max(range(len(scores)), key=scores.__getitem__)]["id"])
+    return best
+
+
+def test_a_query_naming_the_entity_finds_its_passage_first(world):
+    hops = {(h["query"], h["doc_id"]) for q in world.train + world.test for h in q["hops"]}
+    titles = {p["id"]: p["title"] for p in world.passages}
+    assert all(query.split() == titles[doc].split() for query, doc in hops)
+    hops = sorted(hops)
+    assert _bm25_top(world.passages, [q for q, _ in hops]) == [d for _, d in hops]
+
+
+def test_confusable_distractors_with_different_facts(world):
+    people = [e for e in world.entities if e["kind"] == "person"]
+    firsts = Counter(p["name"].split()[0] for p in people)
+    assert sum(n for n in firsts.values() if n > 1) > len(people) / 2
+    twins = [(p, q) for p in people for q in people if _one_off(p["last"], q["last"])]
+    assert len(twins) > 30
+    for p, q in twins:
+        assert p["born_in"] != q["born_in"] and p["birth_year"] != q["birth_year"]
+    cities = [e["name"] for e in world.entities if e["kind"] == "city"]
+    assert any(_one_off(a, b) for a in cities for b in cities)
+    stems = Counter(e["name"].split()[0] for e in world.entities if e["kind"] == "org")
+    assert max(stems.values()) > 1
+
+
+# ---------------------------------------------------------------------------- the tokenizer
+
+
+def test_tokenizer_round_trips_world_text_and_templates(world, tok):
+    texts = [_contents(p) for p in world.passages] + [q["question"] for q in world.train + world.test]
+    texts += read_templates() + [t.replace("{question}", world.test[0]["question"]) for t in read_templates()]
+    texts += [format_result([(p["title"], p["text"]) for p in world.passages[:3]]), "Ünïcode 東京 ✓ \\boxed{x}"]
+    for text, ids in zip(texts, tok(texts, add_special_tokens=False)["input_ids"]):
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert len(read_templates()) >= 2
+
+
+def test_tags_are_single_tokens_kept_by_decode(tok):
+    assert len(tok) == 2000
+    ids = {t: tok.encode(t, add_special_tokens=False) for t in TAGS + [EOS, PAD]}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert len({v[0] for v in ids.values()}) == len(ids)
+    assert tok.eos_token_id == ids[EOS][0] and tok.pad_token_id == ids[PAD][0] and tok.bos_token_id is None
+    text = "<think> a </think>\n<search> Varo Kelmin </search><|begin_external_search|>q<|end_external_search|>"
+    enc = tok.encode(text, add_special_tokens=False)
+    assert ids["<search>"][0] in enc and ids["<|end_external_search|>"][0] in enc
+    assert tok.decode(enc, skip_special_tokens=False) == text
+    assert tok.decode(enc, skip_special_tokens=True) == text  # tags are not "special"
+    assert tok.decode(enc + ids[EOS], skip_special_tokens=True) == text
+
+
+def test_tokenizer_is_small_and_deterministic(world, tok):
+    again = build_tokenizer(world_texts(world))
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    # most words of the world (names included; years are two) are one token: passages stay short
+    words = sorted({w for p in world.passages for w in re.findall(r"[^\W\d]+", f"{p['title']} {p['text']}")})
+    single = [len(ids) == 1 for ids in tok([" " + w for w in words], add_special_tokens=False)["input_ids"]]
+    assert sum(single) > 0.9 * len(words)
+    lengths = [len(ids) for ids in tok([_contents(p) for p in world.passages], add_special_tokens=False)["input_ids"]]
+    assert max(lengths) <= 48
+
+
+def test_saved_tokenizer_loads_with_autotokenizer(world, tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    texts = [_contents(p) for p in world.passages[:50]] + [q["question"] for q in world.test[:50]] + read_templates()
+    assert loaded(texts, add_special_tokens=False)["input_ids"] == tok(texts, add_special_tokens=False)["input_ids"]
+    assert loaded.padding_side == "left" and loaded.eos_token == EOS and loaded.pad_token == PAD
+    batch = loaded(["a", "a b c"], padding=True)["input_ids"]
+    assert batch[0][0] == loaded.pad_token_id and batch[1][0] != loaded.pad_token_id
+
+
+# ---------------------------------------------------------------------------- the shipped files
+
+
+def test_shipped_files_are_a_fresh_build_with_seed_0(tmp_path, capsys):
+    main(["build", "--seed", "0", "--out", str(tmp_path)])
+    assert "train: 3600" in capsys.readouterr().out
+    fresh, shipped = _files(tmp_path), _files(ASSETS)
+    assert set(fresh) == set(FILES)
+    for name in FILES:
+        assert shipped.get(name) == fresh[name], f"{name} differs: rebuild with python -m searchlite.toyworld build"
