@@ -60,7 +60,7 @@ class Config:
     topk: int = 3  # passages returned per search
     # --- protocol and rollout
     protocol: str = "search_r1"  # search_r1 (<search>/<answer> tags) | r1_searcher_pp (internal/external, \boxed{})
-    template: str = ""  # prompt template file with a {question} placeholder; empty = the protocol's own
+    template: str = "toy"  # prompt template: a file with {question}, or a set name (toy = templates/toy_<protocol>.txt); empty = the paper's
     max_turns: int = 4  # search budget; one more turn without search then forces an answer
     max_new_tokens: int = 500  # tokens generated per turn
     max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)

@@ -142,12 +142,22 @@ def _read_template(path: str | Path) -> str:
     return text.rstrip("\n") + "\n"
 
 
+def template_path(name: str, template: str = "") -> Path:
+    """The template file: `template` if it is a path; a bare word W picks the set W,
+    searchlite/templates/W_<protocol>.txt (e.g. "toy"); empty = the protocol's own."""
+    if not template:
+        return TEMPLATE_DIR / f"{name}.txt"
+    if "/" not in template and "." not in template:
+        return TEMPLATE_DIR / f"{template}_{name}.txt"
+    return Path(template)
+
+
 def get_protocol(name: str, template: str = "") -> Protocol:
-    """The protocol `name`, with its own template or the one in the file `template`."""
+    """The protocol `name` with its template (see `template_path`)."""
     if name == "search_r1":
         return Protocol(
             name=name,
-            template=_read_template(template or TEMPLATE_DIR / "search_r1.txt"),
+            template=_read_template(template_path(name, template)),
             stop=("</search>", "</answer>"),
             info_open="<information>",
             info_close="</information>",
@@ -162,7 +172,7 @@ def get_protocol(name: str, template: str = "") -> Protocol:
     if name == "r1_searcher_pp":
         return Protocol(
             name=name,
-            template=_read_template(template or TEMPLATE_DIR / "r1_searcher_pp.txt"),
+            template=_read_template(template_path(name, template)),
             stop=("<|end_external_search|>",),
             info_open="<|begin_search_result|>",
             info_close="<|end_search_result|>",

@@ -9,8 +9,9 @@ including the first stop string or EOS (nothing is decoded and re-encoded). `HFS
 runs transformers' `generate` on the training policy itself (left padding, temperature /
 top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process.
 
-Seeding: call number `n` of a sampler seeded with `s` samples under `torch.manual_seed(s + n)`
-inside `fork_rng`, so a rollout is reproducible and does not disturb the training RNG.
+Seeding: sampling call number `n` of a sampler seeded with `s` runs under
+`torch.manual_seed(s + n)` inside `fork_rng`, so a rollout is reproducible, does not disturb
+the training RNG, and greedy calls (evaluation) shift no later seed.
 Left out on purpose: beam search, speculative decoding, streaming.
 """
 
@@ -75,7 +76,7 @@ class HFSampler:
         step = self.batch_size or len(prompts) or 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + self.calls)
-            self.calls += 1
+            self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
             out = []
             for s in range(0, len(prompts), step):
                 out += self._generate(prompts[s:s + step], stop, max_new, greedy)

@@ -87,3 +87,9 @@ def test_default_templates_follow_the_papers():
         assert tag in text
     assert text.rstrip().endswith("Question: Who?")
     assert "\\boxed{" in PP.prompt("Who?") and "<|begin_external_search|>" in PP.prompt("Who?")
+
+
+def test_template_sets():
+    assert get_protocol("search_r1", "toy").template.startswith("Answer the question. Think inside <think>")
+    assert "<|begin_external_search|>" in get_protocol("r1_searcher_pp", "toy").template
+    assert get_protocol("search_r1", "").template == SR1.template

