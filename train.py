@@ -86,6 +86,59 @@ def check_finite(step: int, **values) -> None:
                                      "the last good checkpoint is kept, nothing was saved for this step")
 
 
+def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=None, critic_opt=None,
+           old_values=None, ret=None) -> dict:
+    """`ppo_epochs` passes of clipped policy loss (+ value loss) over mini-batches of the rollout.
+
+    Each mini-batch is one optimizer step; its micro-batches accumulate gradients, weighted so
+    their sum equals the mini-batch loss (memory does not grow with the batch). Returns lists
+    of per-micro-batch statistics.
+    """
+    stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": []}
+    for _ in range(cfg.ppo_epochs):
+        for mini in micro_batches(len(ro), cfg.mini_batch_size):
+            n_tok = max(1.0, float(ro.loss_mask[mini].sum()))
+            for rows in micro_batches(len(mini), cfg.micro_batch_size):
+                rows = [mini[r] for r in rows]
+                ids, attn, lm = trim(ro, rows)
+                t = ids.shape[1]
+                ids, attn, lm = ids.to(device), attn.to(device), lm.float().to(device)
+                logits = policy(input_ids=ids, attention_mask=attn).logits  # (b, t, V)
+                logp = token_logprobs(logits, ids)  # (b, t)
+                # micro-batch losses are weighted so their sum is the mini-batch's loss
+                weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
+                pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
+                                           cfg.clip_eps, cfg.loss_agg)
+                loss = pg
+                kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
+                if cfg.algo == "grpo" and cfg.kl_coef > 0:
+                    loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
+                check_finite(step + 1, loss=loss)
+                (loss * weight).backward()
+                stats["loss"].append(loss.item() * weight)
+                stats["kl"].append(kl.item() * weight)
+                stats["clipfrac"].append(float(clipfrac) * weight)
+                with torch.no_grad():
+                    stats["entropy"].append(float(aggregate(entropy_from_logits(logits), lm, cfg.loss_agg)) * weight)
+                if critic is not None:
+                    values = critic(ids, attn)  # (b, t)
+                    values = torch.cat([values.new_zeros(len(rows), 1), values[:, :-1]], 1)  # aligned with logp
+                    vf, _ = value_loss(values, old_values[rows, :t].to(device), ret[rows, :t].to(device), lm,
+                                       cfg.value_clip_eps, cfg.loss_agg)
+                    check_finite(step + 1, value_loss=vf)
+                    (vf * weight).backward()
+                    stats["vf_loss"].append(vf.item() * weight)
+            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+            check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if critic is not None:
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+                critic_opt.step()
+                critic_opt.zero_grad(set_to_none=True)
+    return stats
+
+
 def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     try:
@@ -113,6 +166,7 @@ def main(argv=None) -> None:
         critic = Critic.from_pretrained(str(ckpt / "critic") if ckpt else cfg.model, cfg.dtype, device,
                                         cfg.grad_checkpointing)
     opt, sched = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps)
+    critic_opt = critic_sched = None
     if critic is not None:
         critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay, cfg.warmup_steps)
     train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
@@ -179,6 +233,7 @@ def main(argv=None) -> None:
         kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
 
         # -------------------------------------------------------------- advantages
+        old_values = ret = None  # PPO only
         if cfg.algo == "ppo":
             old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
             rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
@@ -192,48 +247,7 @@ def main(argv=None) -> None:
 
         # -------------------------------------------------------------- update
         policy.train()
-        stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": []}
-        for _ in range(cfg.ppo_epochs):
-            for mini in micro_batches(len(ro), cfg.mini_batch_size):
-                n_tok = max(1.0, float(mask[mini].sum()))
-                for rows in micro_batches(len(mini), cfg.micro_batch_size):
-                    rows = [mini[r] for r in rows]
-                    ids, attn, lm = trim(ro, rows)
-                    t = ids.shape[1]
-                    ids, attn, lm = ids.to(device), attn.to(device), lm.float().to(device)
-                    logits = policy(input_ids=ids, attention_mask=attn).logits  # (b, t, V)
-                    logp = token_logprobs(logits, ids)  # (b, t)
-                    # micro-batch losses are weighted so their sum is the mini-batch's loss
-                    weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
-                    pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
-                                               cfg.clip_eps, cfg.loss_agg)
-                    loss = pg
-                    kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
-                    if cfg.algo == "grpo" and ref is not None:
-                        loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
-                    check_finite(step + 1, loss=loss)
-                    (loss * weight).backward()
-                    stats["loss"].append(loss.item() * weight)
-                    stats["kl"].append(kl.item() * weight)
-                    stats["clipfrac"].append(float(clipfrac) * weight)
-                    with torch.no_grad():
-                        stats["entropy"].append(float(aggregate(entropy_from_logits(logits), lm, cfg.loss_agg)) * weight)
-                    if cfg.algo == "ppo":
-                        values = critic(ids, attn)  # (b, t)
-                        values = torch.cat([values.new_zeros(len(rows), 1), values[:, :-1]], 1)  # aligned with logp
-                        vf, _ = value_loss(values, old_values[rows, :t].to(device), ret[rows, :t].to(device), lm,
-                                           cfg.value_clip_eps, cfg.loss_agg)
-                        check_finite(step + 1, value_loss=vf)
-                        (vf * weight).backward()
-                        stats["vf_loss"].append(vf.item() * weight)
-                stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
-                check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
-                    critic_opt.step()
-                    critic_opt.zero_grad(set_to_none=True)
+        stats = update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret)
         sched.step()
         if critic is not None:
             critic_sched.step()

@@ -1,0 +1,83 @@
+"""Update throughput: train.py's update against a bare forward/backward/step loop, one run.
+
+    python bench/update_bench.py                      # the toy warm start, 16 questions x 5
+
+Rolls out one GRPO batch with the warm-start policy, then times, alternately and
+`--repeats` times each, (a) `train.update` (clipped policy loss + KL, micro-batches,
+gradient clipping, statistics) and (b) a bare loop over the same micro-batches of the same
+model: forward, masked token NLL, backward, AdamW step. Reports policy tokens/s of each and
+their ratio (goal >= 0.9), medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
+import train  # noqa: E402
+from searchlite.advantages import broadcast  # noqa: E402
+from searchlite.config import Config, resolve_path  # noqa: E402
+from searchlite.data import read_qa  # noqa: E402
+from searchlite.losses import token_logprobs  # noqa: E402
+from searchlite.models import load_policy, load_tokenizer  # noqa: E402
+from searchlite.protocol import get_protocol  # noqa: E402
+from searchlite.retrieval import build_retriever  # noqa: E402
+from searchlite.rollout import rollout  # noqa: E402
+from searchlite.sampler import HFSampler  # noqa: E402
+
+
+def bare_step(policy, opt, ro, size: int) -> None:
+    n_tok = float(ro.loss_mask.sum())
+    for rows in train.micro_batches(len(ro), size):
+        ids, attn, lm = train.trim(ro, rows)
+        logp = token_logprobs(policy(input_ids=ids, attention_mask=attn).logits, ids)  # (b, t)
+        (-(logp * lm).sum() / n_tok).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
+    ap.add_argument("--questions", type=int, default=16, help="questions in the batch (default 16)")
+    ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5)")
+    ap.add_argument("--repeats", type=int, default=5, help="timings of each (default 5)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = Config(group=args.group, lr=1e-5)
+    tok, policy = load_tokenizer(args.model), load_policy(args.model)
+    qa = read_qa(resolve_path(cfg.train_data))[:args.questions]
+    questions = [q.question for q in qa for _ in range(args.group)]
+    ro = rollout(HFSampler(policy, tok, max_new_tokens=cfg.max_new_tokens), build_retriever("bm25", resolve_path(cfg.corpus)),
+                 tok, get_protocol(cfg.protocol, cfg.template), questions, max_turns=cfg.max_turns, topk=cfg.topk)
+    old_logp = train.score_tokens(policy, ro, cfg.micro_batch_size, "cpu")  # (N, T)
+    adv = broadcast(torch.randn(len(ro)), ro.loss_mask.float())  # (N, T) values do not change the cost
+    n_tok = int(ro.loss_mask.sum())
+    print(f"batch: {len(ro)} trajectories, {int(ro.attention_mask.sum())} tokens, {n_tok} policy tokens, "
+          f"micro-batches of {cfg.micro_batch_size}")
+    opt_a, _ = train.make_optimizer(policy.parameters(), cfg.lr, 0.0, 0)
+    opt_b = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+    t_update, t_bare = [], []
+    policy.train()
+    for r in range(args.repeats + 1):  # the first round warms up and is not counted
+        t0 = time.perf_counter()
+        train.update(cfg, 0, policy, opt_a, ro, old_logp, old_logp, adv, "cpu")
+        t1 = time.perf_counter()
+        bare_step(policy, opt_b, ro, cfg.micro_batch_size)
+        t2 = time.perf_counter()
+        if r:
+            t_update.append(t1 - t0)
+            t_bare.append(t2 - t1)
+    u, b = statistics.median(t_update), statistics.median(t_bare)
+    print(f"train.update: {n_tok / u:,.0f} policy tokens/s ({u:.2f}s); bare loop: {n_tok / b:,.0f} policy tokens/s "
+          f"({b:.2f}s); ratio {b / u:.3f} (goal >= 0.9), medians of {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Learning curves from metrics.jsonl: reward, EM, searches, response length and KL over steps.
+
+    python -m searchlite.plot runs/toy-grpo runs/toy-ppo --out curves.png
+
+The analogue of Search-R1's Figure 2 (training reward, valid search calls and response
+length over steps), one line per run, plus held-out test EM where the run evaluated.
+Needs matplotlib (`pip install matplotlib`, or the `plot` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PANELS = [("reward", "train reward (EM)"), ("eval/all", "held-out test EM"), ("searches", "valid searches / rollout"),
+          ("response_len", "response length (policy tokens)"), ("kl", "KL to reference")]
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, dict):  # evaluation rows: {"em": ..., ...} per question type
+            v = v.get("em")
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot(runs: list[str], out: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
+    for run in runs:
+        rows = read_metrics(run)
+        for ax, (key, title) in zip(axes, PANELS):
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=Path(run).name)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return Path(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files")
+    ap.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
+    args = ap.parse_args(argv)
+    print(plot(args.runs, args.out))
+
+
+if __name__ == "__main__":
+    main()

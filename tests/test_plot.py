@@ -1,0 +1,23 @@
+"""The learning-curve command reads metrics.jsonl rows (train and eval) and writes a PNG."""
+
+import json
+
+import pytest
+
+from searchlite.plot import plot, read_metrics, series
+
+
+def test_series_and_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": 0, "eval/all": {"em": 0.2, "searches": 0.5, "n": 4}},
+            {"step": 1, "reward": 0.1, "searches": 0.4, "response_len": 20.0, "kl": 0.0},
+            {"step": 2, "reward": 0.3, "searches": 0.9, "response_len": 25.0, "kl": 0.01,
+             "eval/all": {"em": 0.5, "searches": 1.0, "n": 4}}]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_metrics(run)
+    assert series(got, "reward") == ([1, 2], [0.1, 0.3])
+    assert series(got, "eval/all") == ([0, 2], [0.2, 0.5])
+    out = plot([str(run)], str(tmp_path / "c.png"))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
