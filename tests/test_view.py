@@ -1,0 +1,33 @@
+"""The HTML trajectory view: policy and retrieved tokens in different colours, nothing lost."""
+
+import html
+import re
+
+from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
+
+from searchlite.protocol import get_protocol
+from searchlite.rollout import rollout
+from searchlite.view import render, segments, write_html
+
+
+def test_segments():
+    assert segments([1, 2, 3, 4, 5], [1, 1, 0, 0, 1]) == [(1, [1, 2]), (0, [3, 4]), (1, [5])]
+    assert segments([], []) == []
+
+
+def test_render_colours_and_content(byte_tokenizer, tmp_path):
+    tok, protocol = byte_tokenizer, get_protocol("search_r1")
+    qs = ["q-search", "q-invalid"]
+    ro = rollout(ScriptedSampler(tok, SCRIPTS), FakeRetriever(), tok, protocol, qs, topk=2, max_turns=2)
+    page = render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]], title="t")
+    body = page.split("</p>", 1)[1]  # after the legend
+    policy = [html.unescape(s) for s in re.findall(r"<span class='policy'>(.*?)</span>", body, re.S)]
+    other = [html.unescape(s) for s in re.findall(r"<span class='other'>(.*?)</span>", body, re.S)]
+    # every sampled reply is shown as policy text, every passage and message as other text
+    assert policy[:2] == SCRIPTS["q-search"][:2]
+    assert any("Doc 1(Title: T0) about france capital 0" in s for s in other)
+    assert any("My previous action is invalid" in s for s in other)
+    assert "<search>" not in body and "&lt;search&gt;" in body  # model text is escaped, never raw HTML
+    assert "searches 1" in page and "reward <span class='ok'>1</span>" in page
+    path = write_html(tmp_path / "sub" / "v.html", ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
+    assert path.read_text() == render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
