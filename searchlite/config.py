@@ -1,7 +1,8 @@
 """Every setting of a run in one flat dataclass, with presets and command-line overrides.
 
-Precedence: dataclass defaults < a `configs.toml` preset (`--preset NAME`) < CLI flags.
-Flags are field names, typed by the field:
+Precedence: dataclass defaults < a `configs.toml` preset < CLI flags. The defaults follow
+Search-R1's scripts; with no `--preset`, the `toy` preset (the embedded toy world, scaled for
+a CPU) is applied, and `--preset none` applies none. Flags are field names, typed by the field:
 
     >>> cfg = parse_args(["--algo", "grpo", "--group", "5", "--lr=1e-5"])
     >>> (cfg.algo, cfg.group, cfg.lr)
@@ -28,6 +29,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 TOY_DIR = PACKAGE_DIR / "assets" / "toyworld"
 DEFAULT_PRESETS = REPO_DIR / "configs.toml"
+DEFAULT_PRESET = "toy"  # applied when no --preset is given
 
 
 class ConfigError(ValueError):
@@ -37,10 +39,10 @@ class ConfigError(ValueError):
 @dataclass
 class Config:
     # --- run
-    out_dir: str = "runs/toy-grpo"  # folder for config.json, metrics.jsonl, checkpoints, trajectories
+    out_dir: str = ""  # folder for config.json, metrics.jsonl, checkpoint, trajectories; empty = runs/<preset>-<algo>
     seed: int = 0  # seeds data order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu" or "cuda"
-    steps: int = 60  # RL steps (one step = one batch of questions rolled out and trained on)
+    steps: int = 1005  # RL steps (one step = one batch of questions rolled out and trained on)
     resume: bool = False  # continue from the latest checkpoint in out_dir
     # --- model
     model: str = "toy/model"  # policy: Hugging Face folder or hub name; toy/model is the embedded warm start
@@ -73,7 +75,7 @@ class Config:
     # --- algorithm
     algo: str = "grpo"  # grpo | ppo | reinforce_pp
     group: int = 5  # rollouts per question (GRPO group size; 1 = REINFORCE with a batch-mean baseline)
-    batch_size: int = 16  # questions per step
+    batch_size: int = 512  # questions per step
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)
     warmup_steps: int = 0  # linear learning-rate warm-up
@@ -86,7 +88,7 @@ class Config:
     gamma: float = 1.0  # discount over policy tokens
     lam: float = 1.0  # GAE lambda
     ppo_epochs: int = 1  # passes over each batch of rollouts
-    mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step
+    mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step (Search-R1: 256)
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
     loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory
@@ -167,7 +169,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     if "-h" in argv or "--help" in argv:
         print(usage(prog, presets))
         raise SystemExit(0)
-    pairs, preset = [], None
+    pairs, preset = [], None  # preset None = the default one, if the file has it
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -190,20 +192,30 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         else:
             pairs.append((key, value))
         i += 1
-    values = load_preset(preset, presets) if preset else {}
+    if preset is None:
+        preset = DEFAULT_PRESET if presets.exists() and DEFAULT_PRESET in _preset_names(presets) else "none"
+    values = load_preset(preset, presets) if preset != "none" else {}
     for key, value in pairs:
         if key not in Config.__dataclass_fields__:
             raise ConfigError(f"command line: unknown flag --{key}{_closest(key)}")
         values[key] = _coerce(key, value, "command line")
-    return Config(**values)
+    cfg = Config(**values)
+    if not cfg.out_dir:
+        cfg.out_dir = f"runs/{preset}-{cfg.algo}"
+    return cfg
+
+
+def _preset_names(path: Path) -> list[str]:
+    with open(path, "rb") as f:
+        return list(tomllib.load(f))
 
 
 def usage(prog: str, presets: Path = DEFAULT_PRESETS) -> str:
     helps = field_help()
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
     if presets.exists():
-        with open(presets, "rb") as f:
-            lines.append("presets (configs.toml): " + ", ".join(tomllib.load(f)))
+        lines.append(f"presets ({presets.name}; '{DEFAULT_PRESET}' unless --preset is given, 'none' for the "
+                     f"defaults below): " + ", ".join(_preset_names(presets)))
     for f in fields(Config):
         kind = type(f.default).__name__
         lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r})")

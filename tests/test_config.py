@@ -28,7 +28,7 @@ def presets(tmp_path):
 
 
 def test_precedence(presets):
-    assert parse_args([], presets).algo == Config().algo
+    assert parse_args([], presets).algo == Config().algo  # no [toy] in this file: nothing applied
     cfg = parse_args(["--preset", "small"], presets)
     assert (cfg.algo, cfg.group, cfg.lr, cfg.topk) == ("ppo", 1, 2e-6, Config().topk)
     cfg = parse_args(["--preset", "small", "--group", "5", "--lr=1e-5"], presets)
@@ -70,6 +70,19 @@ def test_every_field_has_help_and_help_prints(presets, capsys):
         parse_args(["--help"], presets)
     out = capsys.readouterr().out
     assert "--group" in out and helps["group"] in out and "small" in out
+
+
+def test_default_preset_and_out_dir(tmp_path):
+    from searchlite.config import DEFAULT_PRESET
+
+    p = tmp_path / "configs.toml"
+    p.write_text(f"[{DEFAULT_PRESET}]\ngroup = 9\n[other]\ngroup = 2\n")
+    assert parse_args([], p).group == 9  # applied when no --preset is given
+    assert parse_args(["--preset", "other"], p).group == 2
+    cfg = parse_args(["--preset", "none", "--algo", "ppo"], p)
+    assert cfg.group == Config().group and cfg.out_dir == "runs/none-ppo"
+    assert parse_args(["--algo", "ppo"], p).out_dir == f"runs/{DEFAULT_PRESET}-ppo"
+    assert parse_args(["--out_dir", "x"], p).out_dir == "x"
 
 
 def test_saved_config_round_trips(tmp_path):
