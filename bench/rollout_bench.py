@@ -41,7 +41,7 @@ def bm25_speed(realqa: Path) -> None:
           f"batched {batched:,.0f} queries/s, one at a time {single:,.0f} queries/s")
 
 
-def rollout_efficiency(n: int, repeats: int, seed: int) -> None:
+def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None:
     from searchlite.config import resolve_path
     from searchlite.data import read_qa
     from searchlite.models import load_policy, load_tokenizer
@@ -50,7 +50,7 @@ def rollout_efficiency(n: int, repeats: int, seed: int) -> None:
     from searchlite.rollout import encode_prompt, rollout
     from searchlite.sampler import HFSampler
 
-    tok, model = load_tokenizer("toy/model"), load_policy("toy/model")
+    tok, model = load_tokenizer(model_path), load_policy(model_path)
     qa = read_qa(resolve_path("toy/train.jsonl"))[:n]
     retriever = build_retriever("bm25", resolve_path("toy/corpus.jsonl"))
     protocol = get_protocol("search_r1", "toy")
@@ -73,13 +73,14 @@ def rollout_efficiency(n: int, repeats: int, seed: int) -> None:
         print(f"  repeat {r}: rollout {n_roll} tokens in {t_roll:.2f}s ({n_roll / t_roll:,.0f} tok/s, "
               f"{ro.turns.float().mean():.2f} turns, {ro.searches.float().mean():.2f} searches); plain generate "
               f"{n_plain} tokens in {t_plain:.2f}s ({n_plain / t_plain:,.0f} tok/s); ratio {ratio:.3f}")
-    print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {n} trajectories, toy warm start: "
+    print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {n} trajectories, {model_path}: "
           f"median {statistics.median(ratios):.3f} over {repeats} repeats (goal >= 0.85)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--realqa", default=None, help="folder with corpus.jsonl and hotpotqa_500.jsonl")
+    ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
     ap.add_argument("--n", type=int, default=80, help="trajectories per rollout (default 80 = 16 questions x 5)")
     ap.add_argument("--repeats", type=int, default=3, help="measurements of each (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -87,7 +88,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     if args.realqa:
         bm25_speed(Path(args.realqa))
-    rollout_efficiency(args.n, args.repeats, args.seed)
+    rollout_efficiency(args.model, args.n, args.repeats, args.seed)
 
 
 if __name__ == "__main__":
