@@ -13,6 +13,7 @@ All math lives in searchlite/advantages.py and searchlite/losses.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sys
@@ -62,15 +63,17 @@ def score_tokens(model, ro, size: int, device, values: bool = False) -> torch.Te
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
 def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
     """The questions of `step`: epochs are seeded permutations, so any step is recomputable (exact resume)."""
-    out = []
-    for k in range(step * batch_size, (step + 1) * batch_size):
-        epoch, pos = divmod(k, len(qa))
-        order = list(range(len(qa)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(qa[order[pos]])
-    return out
+    ks = range(step * batch_size, (step + 1) * batch_size)
+    return [qa[epoch_order(len(qa), seed, k // len(qa))[k % len(qa)]] for k in ks]
 
 
 def compute_rewards(ro, questions) -> torch.Tensor:
@@ -152,7 +155,6 @@ def main(argv=None) -> None:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     # ------------------------------------------------------------------ models, data, retriever
     ckpt = find_checkpoint(out) if cfg.resume else None  # resume: weights from the checkpoint, the rest below
