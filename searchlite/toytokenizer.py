@@ -40,9 +40,14 @@ PHRASES = ["I need to search for", "I need to find", "I need to search", "I know
            "<|end_external_search|>; to finish I should give the answer as \\boxed{answer}. Let me try again.\n"]
 
 
+# The prompt templates the tokenizer is fitted on: a fixed list, so adding another template
+# file (an evaluation prompt, say) does not change the tokenizer and orphan the shipped model.
+TOKENIZER_TEMPLATES = ("r1_searcher_pp", "search_r1", "toy_r1_searcher_pp", "toy_search_r1")
+
+
 def read_templates() -> list[str]:
-    """The prompt templates in searchlite/templates/*.txt, sorted by file name."""
-    return [p.read_text() for p in sorted(TEMPLATE_DIR.glob("*.txt"))]
+    """The prompt templates named in TOKENIZER_TEMPLATES (searchlite/templates/NAME.txt)."""
+    return [(TEMPLATE_DIR / f"{name}.txt").read_text() for name in TOKENIZER_TEMPLATES]
 
 
 def format_result(docs: list[tuple[str, str]], open_tag: str = "<information>", close_tag: str = "</information>") -> str:

@@ -1,0 +1,106 @@
+"""Build the toy world's warm-start policy from a seed: world, tokenizer, teacher data, SFT.
+
+    python -m searchlite.warmstart --seed 0          # rewrites searchlite/assets/toyworld/
+
+Steps: (1) generate the world and its tokenizer (searchlite.toyworld); (2) roll out the
+scripted, imperfect teacher (searchlite.teacher) on every train question in Search-R1's
+protocol (the teacher also writes R1-Searcher++'s, for that method's own cold start),
+with real BM25 retrieval, famous questions repeated so their facts are memorised; (3) SFT a
+tiny Llama from random initialisation on those trajectories, retrieved tokens masked
+(searchlite.sft); (4) save it as a Hugging Face folder, `toy/model`. Everything is seeded and
+runs on one thread, so the same machine rebuilds the same bytes.
+Left out on purpose: any pretrained weights; the world is fictional so none would help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from .config import TOY_DIR
+
+MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def make_model(tokenizer, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **MODEL)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def teacher_data(tokenizer, qa, retriever, seed: int, famous_repeats: int, protocols=("search_r1",),
+                 template: str = "toy"):
+    """Teacher rollouts on `qa` (famous questions repeated) in each protocol, as one padded batch."""
+    from .protocol import get_protocol
+    from .rollout import rollout
+    from .teacher import Teacher
+
+    questions = [q.question for q in qa] + [q.question for q in qa if q.meta.get("famous")] * famous_repeats
+    rows = []
+    for k, name in enumerate(protocols):
+        protocol = get_protocol(name, template)
+        ro = rollout(Teacher(tokenizer, protocol, qa, seed=seed + k), retriever, tokenizer, protocol, questions,
+                     max_turns=4, topk=3)
+        rows += [(ro.input_ids[i, :int(ro.attention_mask[i].sum())], ro.loss_mask[i, :int(ro.attention_mask[i].sum())])
+                 for i in range(len(ro))]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, T)
+    for i, (ids, m) in enumerate(rows):
+        input_ids[i, :len(ids)], loss_mask[i, :len(ids)], attention_mask[i, :len(ids)] = ids, m, 1
+    return input_ids, loss_mask, attention_mask
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
+    ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")
+    ap.add_argument("--epochs", type=int, default=4, help="SFT epochs over the teacher trajectories (default 4)")
+    ap.add_argument("--lr", type=float, default=1e-2, help="SFT peak learning rate (default 1e-2)")
+    ap.add_argument("--batch-size", type=int, default=16, help="SFT batch size (default 16)")
+    ap.add_argument("--famous-repeats", type=int, default=2, help="extra passes over famous questions (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    t0 = time.time()
+
+    from . import toyworld
+    from .data import read_qa
+    from .models import load_tokenizer
+    from .retrieval import build_retriever
+    from .sft import sft
+
+    out = Path(args.out)
+    toyworld.main(["build", "--seed", str(args.seed), "--out", str(out)])
+    tokenizer = load_tokenizer(str(out))
+    qa = read_qa(out / "train.jsonl")
+    retriever = build_retriever("bm25", str(out / "corpus.jsonl"))
+    input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, args.seed, args.famous_repeats)
+    n_tok = int(attention_mask.sum())
+    print(f"teacher: {len(input_ids)} trajectories, {n_tok} tokens ({int(loss_mask.sum())} trained on)", flush=True)
+    model = make_model(tokenizer, args.seed)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=args.epochs, lr=args.lr,
+                 batch_size=args.batch_size, seed=args.seed)
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    digest = hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()[:16]
+    print(f"final sft loss {sum(losses[-20:]) / 20:.4f}; wrote {out / 'model'} (sha256 {digest}) "
+          f"in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
