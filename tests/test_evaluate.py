@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import make_byte_tokenizer, make_tiny_llama
+from test_rollout import FakeRetriever
 
 import evaluate
 from searchlite.data import QA
@@ -17,7 +18,6 @@ from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_ans
                                    summarize)
 from searchlite.judge import Judge, JudgeError
 from searchlite.protocol import get_protocol
-from searchlite.retrieval import Hit
 
 P = get_protocol("search_r1")
 
@@ -48,15 +48,6 @@ class ScriptedSampler:
             out.append(self.tok.encode(reply, add_special_tokens=False))
         self.calls.append(qs)
         return out
-
-
-class FakeRetriever:
-    def __init__(self):
-        self.calls = []
-
-    def search(self, queries, k):
-        self.calls.append(list(queries))
-        return [[Hit(f"{q}-{j}", f"T{j}", f"passage {j} about {q}", 1.0) for j in range(k)] for q in queries]
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +102,8 @@ def test_rag_retrieves_once_with_the_question(tok):
     retriever = FakeRetriever()
     recs = run_batch("rag", questions, sampler, retriever, tok, P, topk=2, chat_template=False)
     assert retriever.calls == [["capital of France", "capital of Italy"]]  # one batched call, the questions as queries
-    assert "Doc 1(Title: T0) passage 0 about capital of France" in sampler.prompts[0]
-    assert "Doc 2(Title: T1) passage 1 about capital of Italy" in sampler.prompts[1]
+    assert "Doc 1(Title: T0) about capital of France 0" in sampler.prompts[0]
+    assert "Doc 2(Title: T1) about capital of Italy 1" in sampler.prompts[1]
     assert [r["searches"] for r in recs] == [1, 1]
     assert recs[0]["docs"] == [{"id": "capital of France-0", "title": "T0"},
                                {"id": "capital of France-1", "title": "T1"}]
@@ -131,7 +122,7 @@ def test_cot_extraction_and_search_records(tok):
                      chat_template=False)
     assert [r["prediction"] for r in recs] == ["Lyon", "Nice"]
     assert [r["searches"] for r in recs] == [1, 0] and [r["em"] for r in recs] == [1.0, 1.0]
-    assert "<information>Doc 1(Title: T0) passage 0 about city" in recs[0]["trajectory"]
+    assert "<information>Doc 1(Title: T0) about city 0" in recs[0]["trajectory"]
     assert retriever.calls == [["city"]]
 
 
