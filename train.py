@@ -34,6 +34,7 @@ from searchlite.protocol import get_protocol
 from searchlite.retrieval import build_retriever
 from searchlite.rewards import exact_match
 from searchlite.rollout import rollout
+from searchlite.sampler import HFSampler
 
 
 def micro_batches(n: int, size: int):
@@ -178,15 +179,11 @@ def main(argv=None) -> None:
                                 encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
                                 url=cfg.retriever_url or None)
     protocol = get_protocol(cfg.protocol, cfg.template)
-    if cfg.sampler == "vllm":
-        from searchlite.vllm_sampler import VLLMSampler
-
-        sampler = VLLMSampler(policy, tokenizer, cfg)
-    else:
-        from searchlite.sampler import HFSampler
-
-        sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    if cfg.sampler != "hf":
+        sys.exit(f"error: --sampler {cfg.sampler!r} is not available; this version has only 'hf' (the vLLM "
+                 "sampler is not written yet)")
+    sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                        top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                       chat_template=cfg.chat_template)
 

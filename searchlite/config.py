@@ -69,7 +69,7 @@ class Config:
     max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends when reached
     temperature: float = 1.0  # sampling temperature in training rollouts
     top_p: float = 1.0  # nucleus sampling in training rollouts
-    sampler: str = "hf"  # hf (transformers generate) | vllm
+    sampler: str = "hf"  # hf (transformers generate); the only one so far
     gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
     mask_retrieved: bool = True  # retrieved tokens get loss_mask 0; false is Search-R1 Table 4's ablation
     # --- algorithm
