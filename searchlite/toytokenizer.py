@@ -1,11 +1,11 @@
 """A small byte-level BPE tokenizer for the toy world, trained deterministically on its text.
 
-    tok = build_tokenizer(world_texts(world), vocab_size=2000)   # a PreTrainedTokenizerFast
+    tok = build_tokenizer(world_texts(world), vocab_size=2400)   # a PreTrainedTokenizerFast
     tok.save_pretrained(folder)          # AutoTokenizer.from_pretrained(folder) loads it
 
 Why its own tokenizer: the time of a CPU step grows with the vocabulary (the logits) and the
-sequence length; a 2,000-token vocabulary fitted to the world's closed set of words keeps most
-words one token and a whole trajectory, passages included, to a few hundred tokens. Byte-level
+sequence length; a 2,400-token vocabulary fitted to the world's closed set of words keeps
+every name and year one token and a whole trajectory, passages included, to a few hundred tokens. Byte-level
 BPE still round-trips any text exactly, so the model may write words the world never used.
 
 Both protocols' tags (`TAGS`) are added tokens: each is one id, never split, never stripped,
@@ -67,6 +67,7 @@ def world_texts(world, seed: int = 0) -> list[str]:
     texts = [f'"{t}"\n{x}' for t, x in docs.values()] + PHRASES * 10 + read_templates()
     questions = world.train + world.test
     texts += [q["question"] for q in questions] + [a for q in questions for a in q["golden_answers"]]
+    texts += [" ".join(str(y) for y in range(1700, 2030))] * 4  # every year one token, so it is copied whole
     for q in questions[::4]:  # a quarter is plenty for the statistics of the trajectory words
         r1, pp = [], []
         for hop in q["hops"]:
@@ -88,7 +89,7 @@ def world_texts(world, seed: int = 0) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], vocab_size: int = 2000):
+def build_tokenizer(texts: list[str], vocab_size: int = 2400):
     """Train a byte-level BPE of `vocab_size` ids in all (BPE + EOS, PAD + `TAGS`) on `texts`.
 
     Deterministic: the same texts give the same tokenizer.json. Returns a

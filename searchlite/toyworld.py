@@ -25,10 +25,12 @@ data is meant to show their facts often, so a model can answer them without sear
 (R1-Searcher++ needs internal knowledge to matter). Every hop carries `famous`; a question is
 famous when all its hops are. `FAMOUS_SHARE` sets the famous share of each question type.
 
-The split: non-famous entities are dealt to a train part or a test part, and every relation of
-an entity points into its own part or at a famous entity. A question belongs to the part of
-its non-famous hops, so no non-famous test fact is asked in train; famous questions may be
-in both splits (never with the same text). Left out on purpose: aliases, dates finer than
+The split is by fact: each (entity, relation) fact of a non-famous entity is dealt to the
+train or the test part (`test_frac`), and a question belongs to the part of its non-famous
+facts (test if any is). So no non-famous test fact is
+asked in train, yet every entity's name is seen in training: a test question asks a new fact
+about a known name, which the model must look up, not recall. Famous questions may be in both
+splits (never with the same text). Left out on purpose: aliases, dates finer than
 years, questions with several valid answers.
 """
 
@@ -93,7 +95,7 @@ CITY_TEXT = ["{name} is a city in the region of {in_region}. {name} is known for
 @dataclass
 class World:
     seed: int
-    entities: list[dict]  # {"kind": person|org|city, "name", "famous", "part": train|test|both, "doc_id", relation fields}
+    entities: list[dict]  # {"kind": person|org|city, "name", "famous", "test_facts", "doc_id", relation fields}
     passages: list[dict]  # {"id", "title", "text"}; corpus line contents = '"title"\ntext'
     train: list[dict]  # FlashRAG rows: id, question, golden_answers, type, relation, famous, bridge, hops
     test: list[dict]
@@ -145,7 +147,7 @@ def _words(names: _Names, n: int, syllables: tuple[int, int], twin_frac: float, 
 
 
 def build_world(seed: int = 0, n_people: int = 260, n_orgs: int = 150, n_cities: int = 40, n_regions: int = 8,
-                n_train: int = 3600, n_test: int = 400, famous_frac: float = 0.18, test_frac: float = 0.22) -> World:
+                n_train: int = 3600, n_test: int = 400, famous_frac: float = 0.18, test_frac: float = 0.15) -> World:
     """Generate the whole world from `seed` (see the module docstring for what it holds)."""
     rng = random.Random(seed)
     names = _Names(rng)
@@ -157,21 +159,18 @@ def build_world(seed: int = 0, n_people: int = 260, n_orgs: int = 150, n_cities:
     org_names = sorted({f"{rng.choice(stems)} {rng.choice(KINDS)}" for _ in range(n_orgs * 3)})
     orgs = [{"kind": "org", "name": n} for n in rng.sample(org_names, n_orgs)]
 
-    # famous entities, then the train/test parts of the rest
+    # famous entities; every fact of the others is dealt to train or test below
     for group in (people, orgs, cities):
         famous = set(rng.sample(range(len(group)), round(famous_frac * len(group))))
-        rest = [i for i in range(len(group)) if i not in famous]
-        test = set(rng.sample(rest, round(test_frac * len(rest))))
         for i, e in enumerate(group):
             e["famous"] = i in famous
-            e["part"] = "both" if i in famous else "test" if i in test else "train"
+            e["test_facts"] = [] if e["famous"] else sorted(r for r, (kind, _) in RELATIONS.items()
+                                                             if kind == e["kind"] and rng.random() < test_frac)
 
     def pick(pool: list[dict], e: dict) -> dict:
-        """An object for `e`'s relation: from its own part or famous; famous entities lean famous."""
-        if e["part"] == "both":
-            fam = [o for o in pool if o["famous"]]
-            return rng.choice(fam if rng.random() < 0.6 else pool)
-        return rng.choice([o for o in pool if o["part"] in (e["part"], "both")])
+        """An object for `e`'s relation; famous entities lean towards famous objects."""
+        fam = [o for o in pool if o["famous"]]
+        return rng.choice(fam if e["famous"] and rng.random() < 0.6 else pool)
 
     for i, c in enumerate(cities):
         c["in_region"] = regions[i % n_regions]  # every region has cities
@@ -222,7 +221,8 @@ def _passage_text(e: dict, rng: random.Random) -> str:
 
 
 def _hop(e: dict, relation: str) -> dict:
-    return {"query": e["name"], "doc_id": e["doc_id"], "answer": str(e[relation]), "famous": e["famous"]}
+    part = "both" if e["famous"] else "test" if relation in e["test_facts"] else "train"
+    return {"query": e["name"], "doc_id": e["doc_id"], "answer": str(e[relation]), "famous": e["famous"], "part": part}
 
 
 def _candidates(entities: list[dict], by_name: dict, rng: random.Random, n_cmp: int) -> dict[str, list[dict]]:
@@ -244,7 +244,7 @@ def _candidates(entities: list[dict], by_name: dict, rng: random.Random, n_cmp: 
                                         "key": (e["name"], chain)})
     for part in ("train", "test"):
         for comp, (rel, best, templates) in COMPARISONS.items():
-            pool = [e for e in entities if e["kind"] == RELATIONS[rel][0] and e["part"] in (part, "both")]
+            pool = [e for e in entities if e["kind"] == RELATIONS[rel][0] and _hop(e, rel)["part"] in (part, "both")]
             for _ in range(n_cmp):
                 a, b = rng.sample(pool, 2)
                 if a[rel] == b[rel]:
@@ -256,8 +256,8 @@ def _candidates(entities: list[dict], by_name: dict, rng: random.Random, n_cmp: 
                                           "answer": winner["name"], "key": (a["name"], b["name"], comp)})
     for cands in out.values():
         for c in cands:
-            parts = {by_name[h["query"]]["part"] for h in c["hops"] if not h["famous"]}
-            c["part"] = "both" if not parts else parts.pop() if len(parts) == 1 else None
+            parts = {h["part"] for h in c["hops"] if not h["famous"]}
+            c["part"] = "both" if not parts else "test" if "test" in parts else "train"
             c["famous"] = all(h["famous"] for h in c["hops"])
     return out
 
@@ -299,7 +299,8 @@ def _questions(entities, by_name, rng, n_train: int, n_test: int) -> tuple[list[
         rng.shuffle(rows)
         out.append([{"id": f"{split}_{i}", "question": c["question"],
                      "golden_answers": [c.get("answer", c["hops"][-1]["answer"])], "type": c["type"],
-                     "relation": c["relation"], "famous": c["famous"], "bridge": c["bridge"], "hops": c["hops"]}
+                     "relation": c["relation"], "famous": c["famous"], "bridge": c["bridge"],
+                     "hops": [{k: v for k, v in h.items() if k != "part"} for h in c["hops"]]}
                     for i, c in enumerate(rows)])
     return out[0], out[1]
 
@@ -344,7 +345,7 @@ def main(argv=None) -> None:
     b = sub.add_parser("build", help="generate the world and its tokenizer into a folder")
     b.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same bytes (default 0)")
     b.add_argument("--out", default="searchlite/assets/toyworld", help="output folder (default searchlite/assets/toyworld)")
-    b.add_argument("--vocab-size", type=int, default=2000, help="tokenizer vocabulary size, tags included (default 2000)")
+    b.add_argument("--vocab-size", type=int, default=2400, help="tokenizer vocabulary size, tags included (default 2400)")
     args = ap.parse_args(argv)
 
     from searchlite.toytokenizer import build_tokenizer, length_report, world_texts  # tokenizers only here
