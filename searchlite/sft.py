@@ -68,7 +68,7 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()

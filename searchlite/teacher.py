@@ -27,9 +27,9 @@ YEAR = re.compile(r"^\d{3,4}$")
 
 
 class Teacher:
-    def __init__(self, tokenizer, protocol, qa: list, *, seed: int = 0, p_guess: float = 0.45,
-                 p_famous_internal: float = 0.9, p_stop: float = 0.45, p_verbatim: float = 0.1,
-                 p_wrong_span: float = 0.15, quote: bool = False):
+    def __init__(self, tokenizer, protocol, qa: list, *, seed: int = 0, p_guess: float = 0.3,
+                 p_famous_internal: float = 0.9, p_stop: float = 0.45, p_verbatim: float = 0.05,
+                 p_wrong_span: float = 0.05, quote: bool = False):
         self.tok, self.protocol, self.rng = tokenizer, protocol, random.Random(seed)
         self.quote = quote
         self.by_question = {q.question.strip(): q for q in qa}

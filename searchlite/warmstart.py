@@ -5,10 +5,13 @@
 Steps: (1) generate the world and its tokenizer (searchlite.toyworld); (2) roll out the
 scripted, imperfect teacher (searchlite.teacher) on every train question in Search-R1's
 protocol (the teacher also writes R1-Searcher++'s, for that method's own cold start),
-with real BM25 retrieval, famous questions repeated so their facts are memorised; (3) SFT a
-tiny Llama from random initialisation on those trajectories, retrieved tokens masked
-(searchlite.sft); (4) save it as a Hugging Face folder, `toy/model`. Everything is seeded and
-runs on one thread, so the same machine rebuilds the same bytes.
+with real BM25 retrieval, famous questions repeated so their facts are memorised, once per
+epoch with a fresh seed, so each pass shows new draws of the teacher's choices rather than
+the same trajectory again; (3) SFT a tiny Llama from random initialisation on those
+trajectories, retrieved tokens masked (searchlite.sft), in one shuffled pass at lr 3e-3,
+batch 32 (lr 1e-2 with batch 16 learned the format but not to copy); (4) save it as a Hugging
+Face folder, `toy/model`. Everything is seeded and runs on a fixed number of threads with
+deterministic algorithms, so the same machine rebuilds the same bytes.
 Left out on purpose: any pretrained weights; the world is fictional so none would help.
 """
 
@@ -39,21 +42,23 @@ def make_model(tokenizer, seed: int):
     return model
 
 
-def teacher_data(tokenizer, qa, retriever, seed: int, famous_repeats: int, protocols=("search_r1",),
+def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols=("search_r1",),
                  template: str = "toy"):
-    """Teacher rollouts on `qa` (famous questions repeated) in each protocol, as one padded batch."""
+    """Teacher rollouts on `qa` (famous questions repeated) in each protocol, once per seed in
+    `seeds` (each seed draws the teacher's choices afresh), as one right-padded batch."""
     from .protocol import get_protocol
     from .rollout import rollout
     from .teacher import Teacher
 
     questions = [q.question for q in qa] + [q.question for q in qa if q.meta.get("famous")] * famous_repeats
     rows = []
-    for k, name in enumerate(protocols):
-        protocol = get_protocol(name, template)
-        ro = rollout(Teacher(tokenizer, protocol, qa, seed=seed + k), retriever, tokenizer, protocol, questions,
-                     max_turns=4, topk=3)
-        rows += [(ro.input_ids[i, :int(ro.attention_mask[i].sum())], ro.loss_mask[i, :int(ro.attention_mask[i].sum())])
-                 for i in range(len(ro))]
+    for seed in seeds:
+        for k, name in enumerate(protocols):
+            protocol = get_protocol(name, template)
+            ro = rollout(Teacher(tokenizer, protocol, qa, seed=seed * len(protocols) + k), retriever, tokenizer,
+                         protocol, questions, max_turns=4, topk=3)
+            rows += [(ro.input_ids[i, :int(ro.attention_mask[i].sum())], ro.loss_mask[i, :int(ro.attention_mask[i].sum())])
+                     for i in range(len(ro))]
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (N, T)
@@ -67,10 +72,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")
-    ap.add_argument("--epochs", type=int, default=4, help="SFT epochs over the teacher trajectories (default 4)")
-    ap.add_argument("--lr", type=float, default=1e-2, help="SFT peak learning rate (default 1e-2)")
-    ap.add_argument("--batch-size", type=int, default=16, help="SFT batch size (default 16)")
-    ap.add_argument("--famous-repeats", type=int, default=2, help="extra passes over famous questions (default 2)")
+    ap.add_argument("--epochs", type=int, default=8,
+                    help="SFT passes over the train questions, each over fresh teacher trajectories (default 8)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="SFT peak learning rate (default 3e-3)")
+    ap.add_argument("--batch-size", type=int, default=32, help="SFT batch size (default 32)")
+    ap.add_argument("--famous-repeats", type=int, default=1, help="extra passes over famous questions (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -88,13 +94,14 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(str(out))
     qa = read_qa(out / "train.jsonl")
     retriever = build_retriever("bm25", str(out / "corpus.jsonl"))
-    input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, args.seed, args.famous_repeats)
+    seeds = [args.seed * 1000 + e for e in range(args.epochs)]
+    input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats)
     n_tok = int(attention_mask.sum())
     print(f"teacher: {len(input_ids)} trajectories, {n_tok} tokens ({int(loss_mask.sum())} trained on)", flush=True)
     model = make_model(tokenizer, args.seed)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
-    losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=args.epochs, lr=args.lr,
-                 batch_size=args.batch_size, seed=args.seed)
+    losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
+                 batch_size=args.batch_size, warmup=50, seed=args.seed)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     digest = hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()[:16]
