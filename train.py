@@ -50,8 +50,9 @@ def trim(ro, rows):
 
 
 @torch.no_grad()
-def score_tokens(model, ro, size: int, device, values: bool = False) -> torch.Tensor:
-    """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches."""
+def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
+    Log-probs are those of the distribution the sampler drew from: logits / `temperature`."""
     out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
     for rows in micro_batches(len(ro), size):
         ids, attn, _ = trim(ro, rows)
@@ -60,7 +61,8 @@ def score_tokens(model, ro, size: int, device, values: bool = False) -> torch.Te
             v = model(ids, attn)  # (b, t) value of the state after each token
             out[rows, 1:ids.shape[1]] = v[:, :-1].cpu()  # aligned with logp: V(prefix before token t)
         else:
-            out[rows, :ids.shape[1]] = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids).cpu()
+            logits = model(input_ids=ids, attention_mask=attn).logits / temperature  # (b, t, V)
+            out[rows, :ids.shape[1]] = token_logprobs(logits, ids).cpu()
     return out
 
 
@@ -107,7 +109,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 ids, attn, lm = trim(ro, rows)
                 t = ids.shape[1]
                 ids, attn, lm = ids.to(device), attn.to(device), lm.float().to(device)
-                logits = policy(input_ids=ids, attention_mask=attn).logits  # (b, t, V)
+                logits = policy(input_ids=ids, attention_mask=attn).logits / cfg.temperature  # (b, t, V)
                 logp = token_logprobs(logits, ids)  # (b, t)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
                 weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
@@ -227,8 +229,9 @@ def main(argv=None) -> None:
 
         # -------------------------------------------------------------- old / reference log-probs, values
         mask = ro.loss_mask.float()  # (N, T)
-        old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device)  # (N, T)
-        ref_logp = score_tokens(ref, ro, cfg.micro_batch_size, device) if ref is not None else old_logp
+        old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)  # (N, T)
+        ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
+                    if ref is not None else old_logp)
         kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
 
         # -------------------------------------------------------------- advantages

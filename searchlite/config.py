@@ -67,7 +67,7 @@ class Config:
     max_new_tokens: int = 500  # tokens generated per turn
     max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)
     max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends when reached
-    temperature: float = 1.0  # sampling temperature in training rollouts
+    temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts
     sampler: str = "hf"  # hf (transformers generate); the only one so far
     gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
