@@ -105,3 +105,24 @@ def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch):
 def test_bad_flag_exits_with_message(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"did you mean 'group'"):
         train.main(["--grup", "5"])
+
+
+def test_score_tokens_uses_the_sampling_temperature(byte_tokenizer, tiny_llama):
+    from searchlite.losses import token_logprobs
+
+    ids = torch.tensor([[5, 9, 12, 7, 3], [4, 4, 8, 2, 6]])
+    with torch.no_grad():
+        logits = tiny_llama(input_ids=ids).logits
+        got = train.score_tokens(tiny_llama, _Rows(ids), 2, "cpu", temperature=0.5)
+        assert torch.allclose(got, token_logprobs(logits / 0.5, ids), atol=1e-5)
+        assert not torch.allclose(got, token_logprobs(logits, ids), atol=1e-3)
+
+
+class _Rows:
+    """The three fields of a Rollout that score_tokens reads."""
+
+    def __init__(self, ids):
+        self.input_ids, self.attention_mask, self.loss_mask = ids, torch.ones_like(ids), torch.ones_like(ids)
+
+    def __len__(self):
+        return len(self.input_ids)
