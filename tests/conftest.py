@@ -1,5 +1,8 @@
 """Shared fixtures: a byte-level tokenizer with the protocols' tags, tiny random Llamas."""
 
+import json
+from http.server import BaseHTTPRequestHandler
+
 import pytest
 import torch
 
@@ -47,3 +50,18 @@ def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2)
 @pytest.fixture()
 def tiny_llama(byte_tokenizer):
     return make_tiny_llama(byte_tokenizer)
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP handler for fake servers in tests: `send_json(code, obj)` replies with JSON."""
+
+    def send_json(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass

@@ -6,10 +6,10 @@ import json
 import re
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
-from conftest import make_byte_tokenizer, make_tiny_llama
+from conftest import JSONHandler, make_byte_tokenizer, make_tiny_llama
 from test_rollout import FakeRetriever
 
 import evaluate
@@ -387,7 +387,7 @@ def test_error_unknown_method(world, tmp_path):
 # ---------------------------------------------------------------------------- LLM judge
 
 
-class JudgeHandler(BaseHTTPRequestHandler):
+class JudgeHandler(JSONHandler):
     """OpenAI chat-completions shape: True when the prompt's prediction line equals its gold line."""
 
     seen: list = []
@@ -399,16 +399,7 @@ class JudgeHandler(BaseHTTPRequestHandler):
         gold = re.search(r"Gold answer: (.*)", text)
         pred = re.search(r"Predicted answer: (.*)", text)
         ok = gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | ")
-        reply = {"choices": [{"message": {"role": "assistant", "content": "True" if ok else "False."}}]}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": "True" if ok else "False."}}]})
 
 
 @pytest.fixture()

@@ -5,10 +5,11 @@ import json
 import re
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from conftest import JSONHandler
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
@@ -257,7 +258,7 @@ def test_dense_save_load_round_trip(dense, tmp_path):
 # ---------------------------------------------------------------------------- HTTP
 
 
-class _SearchR1Handler(BaseHTTPRequestHandler):
+class _SearchR1Handler(JSONHandler):
     """Search-R1's /retrieve over a BM25 "index"; `fail_first` answers 500 that many times."""
 
     def do_POST(self):
@@ -266,7 +267,7 @@ class _SearchR1Handler(BaseHTTPRequestHandler):
         srv.requests.append((self.path, body))
         if srv.status != 200 or srv.fail_first > 0:
             srv.fail_first -= 1
-            return self._send(srv.status if srv.status != 200 else 500, {"detail": "boom"})
+            return self.send_json(srv.status if srv.status != 200 else 500, {"detail": "boom"})
         result = []
         for hits in srv.index.search(body["queries"], body["topk"]):
             docs = [{"id": h.id, "contents": Passage(h.id, h.title, h.text).contents} for h in hits]
@@ -274,18 +275,7 @@ class _SearchR1Handler(BaseHTTPRequestHandler):
                 result.append([{"document": d, "score": h.score} for d, h in zip(docs, hits)])
             else:
                 result.append(docs)
-        self._send(200, {"result": result})
-
-    def _send(self, code, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(200, {"result": result})
 
 
 @pytest.fixture
