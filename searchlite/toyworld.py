@@ -27,10 +27,9 @@ famous when all its hops are. `FAMOUS_SHARE` sets the famous share of each quest
 
 The split is by fact: each (entity, relation) fact of a non-famous entity is dealt to the
 train or the test part (`test_frac`), and a question belongs to the part of its non-famous
-facts (test if any is). So no non-famous test fact is
-asked in train, yet every entity's name is seen in training: a test question asks a new fact
-about a known name, which the model must look up, not recall. Famous questions may be in both
-splits (never with the same text). Left out on purpose: aliases, dates finer than
+facts (test if any is). So no non-famous test fact is asked in train, yet every entity's name
+is seen in training: a test question asks a new fact about a known name, which the model must
+look up, not recall. Famous questions may be in both splits (never with the same text). Left out on purpose: aliases, dates finer than
 years, questions with several valid answers.
 """
 
@@ -220,9 +219,14 @@ def _passage_text(e: dict, rng: random.Random) -> str:
 # ---------------------------------------------------------------------------- questions
 
 
+def _fact_part(e: dict, relation: str) -> str:
+    """Where the fact (e, relation) may be asked: both splits (famous), train or test."""
+    return "both" if e["famous"] else "test" if relation in e["test_facts"] else "train"
+
+
 def _hop(e: dict, relation: str) -> dict:
-    part = "both" if e["famous"] else "test" if relation in e["test_facts"] else "train"
-    return {"query": e["name"], "doc_id": e["doc_id"], "answer": str(e[relation]), "famous": e["famous"], "part": part}
+    return {"query": e["name"], "doc_id": e["doc_id"], "answer": str(e[relation]), "famous": e["famous"],
+            "part": _fact_part(e, relation)}
 
 
 def _candidates(entities: list[dict], by_name: dict, rng: random.Random, n_cmp: int) -> dict[str, list[dict]]:
@@ -244,7 +248,7 @@ def _candidates(entities: list[dict], by_name: dict, rng: random.Random, n_cmp: 
                                         "key": (e["name"], chain)})
     for part in ("train", "test"):
         for comp, (rel, best, templates) in COMPARISONS.items():
-            pool = [e for e in entities if e["kind"] == RELATIONS[rel][0] and _hop(e, rel)["part"] in (part, "both")]
+            pool = [e for e in entities if e["kind"] == RELATIONS[rel][0] and _fact_part(e, rel) in (part, "both")]
             for _ in range(n_cmp):
                 a, b = rng.sample(pool, 2)
                 if a[rel] == b[rel]:
