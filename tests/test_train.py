@@ -107,7 +107,7 @@ def test_bad_flag_exits_with_message(tiny_model, tmp_path, capsys):
         train.main(["--grup", "5"])
 
 
-def test_score_tokens_uses_the_sampling_temperature(byte_tokenizer, tiny_llama):
+def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
     from searchlite.losses import token_logprobs
 
     ids = torch.tensor([[5, 9, 12, 7, 3], [4, 4, 8, 2, 6]])
