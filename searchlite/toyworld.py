@@ -47,9 +47,6 @@ VOWELS = ["a", "e", "i", "o", "u"]
 CODAS = ["", "", "", "n", "r", "l", "s", "m", "k", "th"]
 KINDS = ["Guild", "Company", "Works", "Society", "Press", "Foundry", "Bank", "Club"]
 OCCUPATIONS = ["weaver", "painter", "merchant", "sailor", "poet", "engineer", "singer", "scholar", "brewer", "architect", "doctor", "judge"]
-DEEDS = ["a book of songs", "a map of the coast", "a long bridge", "the winter festival", "a school for girls", "a new kind of lamp", "a famous trial", "a ship that never sank", "a book on stars", "a garden of roses"]
-PRODUCTS = ["glass", "wool", "salt", "bells", "maps", "lamps", "cheese", "ships", "paper", "silver"]
-GOODS = ["cloth", "books", "tools", "engines", "songs", "loans", "medicine", "rope", "clocks", "ink"]
 # A few real words the syllables can spell; skipped so that no name is a real one.
 REAL = {"paris", "rome", "maria", "lima", "mali", "peru", "dora", "sara", "nora", "mona", "lisa", "tina", "vera",
         "dana", "lena", "rosa", "nina", "kara", "tara", "boston", "london", "berlin", "milan", "sudan", "oman", "tokyo",
@@ -81,14 +78,17 @@ COMPARISONS = {
     "founded_first": ("founded_year", min, ["Which was founded first, {a} or {b}?", "Which was founded earlier, {a} or {b}?"]),
     "founded_later": ("founded_year", max, ["Which was founded later, {a} or {b}?"]),
 }
-PERSON_TEXT = ["{name} was {a_occupation} born in {birth_year} in {born_in}. {last} is remembered for {deed}.",
-               "{name} (born {birth_year} in {born_in}) was {a_occupation}. {last} is best known for {deed}.",
-               "Born in {born_in} in {birth_year}, {name} worked as {a_occupation}. {last} is remembered for {deed}."]
-ORG_TEXT = ["{name} is a {kind} founded in {founded_year} by {founded_by}. It is based in {headquartered_in} and makes {goods}.",
-            "{name} was founded by {founded_by} in {founded_year}. The {kind} has its headquarters in {headquartered_in} and sells {goods}.",
-            "Founded in {founded_year} by {founded_by}, {name} is a {kind} headquartered in {headquartered_in}. It is known for its {goods}."]
-CITY_TEXT = ["{name} is a city in the region of {in_region}. {name} is known for its {product} and its old market.",
-             "{name} is a {size} city in {in_region}. Trade in {product} made {name} rich, and its port is busy."]
+# One sentence per passage, every word of it a fact or a relation word: each token costs
+# compute in every rollout and every SFT step, and filler would only lengthen what the tiny
+# model must read past. Templates vary the order, so reading means matching relation words.
+PERSON_TEXT = ["{name} was {a_occupation} born in {birth_year} in {born_in}.",
+               "{name} (born {birth_year} in {born_in}) was {a_occupation}.",
+               "Born in {born_in} in {birth_year}, {name} worked as {a_occupation}."]
+ORG_TEXT = ["{name} is a {kind} founded in {founded_year} by {founded_by} and based in {headquartered_in}.",
+            "{name} was founded by {founded_by} in {founded_year} and has its headquarters in {headquartered_in}.",
+            "Founded in {founded_year} by {founded_by}, {name} is a {kind} headquartered in {headquartered_in}."]
+CITY_TEXT = ["{name} is a city in the region of {in_region}.",
+             "{name} is a {size} city in {in_region}."]
 
 
 @dataclass
@@ -173,11 +173,11 @@ def build_world(seed: int = 0, n_people: int = 260, n_orgs: int = 150, n_cities:
 
     for i, c in enumerate(cities):
         c["in_region"] = regions[i % n_regions]  # every region has cities
-        c["product"], c["size"] = rng.choice(PRODUCTS), rng.choice(["small", "large", "busy", "quiet", "old"])
+        c["size"] = rng.choice(["small", "large", "busy", "quiet", "old"])
     for p in people:
         p["born_in"], p["birth_year"] = pick(cities, p)["name"], rng.randint(1720, 1960)
         occupation = rng.choice(OCCUPATIONS)
-        p["a_occupation"], p["deed"] = ("an " if occupation[0] in "aeiou" else "a ") + occupation, rng.choice(DEEDS)
+        p["a_occupation"] = ("an " if occupation[0] in "aeiou" else "a ") + occupation
     # a one-letter twin must differ in its facts, or it would not mislead anyone
     for p in people:
         twins = [q for q in people if q is not p and _one_off(p["last"], q["last"])]
@@ -186,7 +186,7 @@ def build_world(seed: int = 0, n_people: int = 260, n_orgs: int = 150, n_cities:
     for o in orgs:
         founder = pick(people, o)
         o["founded_by"], o["founded_year"] = founder["name"], founder["birth_year"] + rng.randint(20, 55)
-        o["headquartered_in"], o["goods"] = pick(cities, o)["name"], rng.choice(GOODS)
+        o["headquartered_in"] = pick(cities, o)["name"]
         o["kind_word"] = o["name"].split()[-1].lower()
     by_name = {e["name"]: e for e in people + orgs + cities}
 

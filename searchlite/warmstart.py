@@ -3,15 +3,19 @@
     python -m searchlite.warmstart --seed 0          # rewrites searchlite/assets/toyworld/
 
 Steps: (1) generate the world and its tokenizer (searchlite.toyworld); (2) roll out the
-scripted, imperfect teacher (searchlite.teacher) on every train question in Search-R1's
-protocol (the teacher also writes R1-Searcher++'s, for that method's own cold start),
-with real BM25 retrieval, famous questions repeated so their facts are memorised, once per
-epoch with a fresh seed, so each pass shows new draws of the teacher's choices rather than
-the same trajectory again; (3) SFT a tiny Llama from random initialisation on those
-trajectories, retrieved tokens masked (searchlite.sft), in one shuffled pass at lr 3e-3,
-batch 32 (lr 1e-2 with batch 16 learned the format but not to copy); (4) save it as a Hugging
-Face folder, `toy/model`. Everything is seeded and runs on a fixed number of threads with
-deterministic algorithms, so the same machine rebuilds the same bytes.
+scripted teacher (searchlite.teacher) on every train question in Search-R1's protocol (the
+teacher also writes R1-Searcher++'s, for that method's own cold start), with real BM25
+retrieval, famous questions repeated so their facts are memorised, each pass with a fresh seed
+so it shows new draws of the teacher's choices; (3) SFT a tiny Llama from random
+initialisation on those trajectories, retrieved tokens masked (searchlite.sft), in two phases
+at lr 3e-3, batch 4: first `--read-passes` passes of a careful teacher that always searches
+and reads right, then `--epochs` passes of the imperfect one (guesses, stops early, copies
+wrong spans), which sets the habits RL must fix. Reading a value out of a passage appears
+suddenly, after about 2,000 updates: batches of 32 (900 updates in the time budget) never got
+there, batches of 4 do, and the imperfect teacher's guesses, trained on from the start, drown
+the few tokens where a value is read; (4) save it as a Hugging Face folder, `toy/model`.
+Everything is seeded and runs on a fixed number of threads with deterministic algorithms, so
+the same machine rebuilds the same bytes.
 Left out on purpose: any pretrained weights; the world is fictional so none would help.
 """
 
@@ -42,10 +46,14 @@ def make_model(tokenizer, seed: int):
     return model
 
 
+CAREFUL = dict(p_guess=0.0, p_stop=0.0, p_verbatim=0.0, p_wrong_span=0.0)  # always searches, reads right
+
+
 def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols=("search_r1",),
-                 template: str = "toy"):
+                 template: str = "toy", teacher: dict | None = None):
     """Teacher rollouts on `qa` (famous questions repeated) in each protocol, once per seed in
-    `seeds` (each seed draws the teacher's choices afresh), as one right-padded batch."""
+    `seeds` (each seed draws the teacher's choices afresh), as one right-padded batch.
+    `teacher` overrides the Teacher's mistake rates (e.g. `CAREFUL`)."""
     from .protocol import get_protocol
     from .rollout import rollout
     from .teacher import Teacher
@@ -55,7 +63,7 @@ def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols
     for seed in seeds:
         for k, name in enumerate(protocols):
             protocol = get_protocol(name, template)
-            ro = rollout(Teacher(tokenizer, protocol, qa, seed=seed * len(protocols) + k), retriever, tokenizer,
+            ro = rollout(Teacher(tokenizer, protocol, qa, seed=seed * len(protocols) + k, **(teacher or {})), retriever, tokenizer,
                          protocol, questions, max_turns=4, topk=3)
             rows += [(ro.input_ids[i, :int(ro.attention_mask[i].sum())], ro.loss_mask[i, :int(ro.attention_mask[i].sum())])
                      for i in range(len(ro))]
@@ -72,10 +80,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")
-    ap.add_argument("--epochs", type=int, default=8,
-                    help="SFT passes over the train questions, each over fresh teacher trajectories (default 8)")
+    ap.add_argument("--read-passes", type=int, default=6,
+                    help="first SFT phase: passes with a careful teacher that always searches and reads right "
+                         "(default 6)")
+    ap.add_argument("--epochs", type=int, default=4,
+                    help="second SFT phase: passes with the imperfect teacher, each over fresh trajectories "
+                         "(default 6)")
     ap.add_argument("--lr", type=float, default=3e-3, help="SFT peak learning rate (default 3e-3)")
-    ap.add_argument("--batch-size", type=int, default=32, help="SFT batch size (default 32)")
+    ap.add_argument("--batch-size", type=int, default=4,
+                    help="SFT batch size (default 4: reading emerges after ~2,000 updates, and small batches fit more)")
     ap.add_argument("--famous-repeats", type=int, default=1, help="extra passes over famous questions (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
     args = ap.parse_args(argv)
@@ -94,14 +107,20 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(str(out))
     qa = read_qa(out / "train.jsonl")
     retriever = build_retriever("bm25", str(out / "corpus.jsonl"))
-    seeds = [args.seed * 1000 + e for e in range(args.epochs)]
-    input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats)
-    n_tok = int(attention_mask.sum())
-    print(f"teacher: {len(input_ids)} trajectories, {n_tok} tokens ({int(loss_mask.sum())} trained on)", flush=True)
     model = make_model(tokenizer, args.seed)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
-    losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
-                 batch_size=args.batch_size, warmup=50, seed=args.seed)
+    # Reading first: the imperfect teacher's guesses are noise a tiny model must fit, and they
+    # drown the few tokens where a value is read from a passage; learnt first, reading stays.
+    phases = [("careful", args.read_passes, CAREFUL), ("imperfect", args.epochs, None)]
+    seed = args.seed * 1000
+    for k, (name, passes, teacher) in enumerate(phases):
+        seeds, seed = list(range(seed, seed + passes)), seed + passes
+        input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats,
+                                                            teacher=teacher)
+        print(f"{name} teacher: {len(input_ids)} trajectories, {int(attention_mask.sum())} tokens "
+              f"({int(loss_mask.sum())} trained on)", flush=True)
+        losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
+                     batch_size=args.batch_size, warmup=50, seed=args.seed + k)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     digest = hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()[:16]

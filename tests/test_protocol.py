@@ -90,6 +90,6 @@ def test_default_templates_follow_the_papers():
 
 
 def test_template_sets():
-    assert get_protocol("search_r1", "toy").template.startswith("Answer the question. Think inside <think>")
+    assert get_protocol("search_r1", "toy").template.startswith("Search with <search> query </search>")
     assert "<|begin_external_search|>" in get_protocol("r1_searcher_pp", "toy").template
     assert get_protocol("search_r1", "").template == SR1.template

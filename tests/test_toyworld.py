@@ -77,7 +77,7 @@ def test_sizes_mix_and_famous_share(world):
     famous = sum(e["famous"] for e in world.entities) / len(world.entities)
     assert 0.15 <= famous <= 0.2
     for p in world.passages:
-        assert 12 <= len(p["text"].split()) <= 40, p
+        assert 6 <= len(p["text"].split()) <= 20 and p["text"].count(".") == 1, p  # one short sentence
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
