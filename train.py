@@ -2,13 +2,16 @@
 
     python train.py --algo grpo --group 5            # the embedded toy world, on a CPU
     python train.py --preset toy-ppo                 # presets live in configs.toml
+    python train.py --preset toy-r1pp                # R1-Searcher++ stage 2 (stage 1: searchlite/r1pp.py)
     python train.py --help                           # every setting, with its meaning
 
 The loop, top to bottom: config -> models -> for each step: sample questions -> rollouts
-(Search-R1's Algorithm 1, a question's `group` samples adjacent) -> rewards (exact match)
--> old / reference log-probs (and values) -> advantages -> `ppo_epochs` over mini-batches
--> log -> checkpoint. The three algorithms differ only where marked `if cfg.algo == ...`.
-All math lives in searchlite/advantages.py and searchlite/losses.py.
+(Search-R1's Algorithm 1, a question's `group` samples adjacent) -> rewards (exact match,
+or R1-Searcher++'s format + cover-EM + group reward) -> memorization data (R1-Searcher++,
+when mem_coef > 0) -> old / reference log-probs (and values) -> advantages -> `ppo_epochs`
+over mini-batches -> log -> checkpoint. The three algorithms differ only where marked
+`if cfg.algo == ...`. All math lives in searchlite/advantages.py and searchlite/losses.py;
+what R1-Searcher++ adds, in searchlite/r1pp.py.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy
 from searchlite.models import (Critic, find_checkpoint, frozen_copy, load_policy, load_tokenizer, load_trainer_state,
                                make_optimizer, pick_device, rng_state, save_checkpoint, set_rng_state)
 from searchlite.protocol import get_protocol
+from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import build_retriever
 from searchlite.rewards import exact_match
 from searchlite.rollout import rollout
@@ -93,16 +97,20 @@ def check_finite(step: int, **values) -> None:
 
 
 def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=None, critic_opt=None,
-           old_values=None, ret=None) -> dict:
+           old_values=None, ret=None, mem=None) -> dict:
     """`ppo_epochs` passes of clipped policy loss (+ value loss) over mini-batches of the rollout.
 
     Each mini-batch is one optimizer step; its micro-batches accumulate gradients, weighted so
-    their sum equals the mini-batch loss (memory does not grow with the batch). Returns lists
-    of per-micro-batch statistics.
+    their sum equals the mini-batch loss (memory does not grow with the batch). With `mem`
+    (R1-Searcher++'s rewritten trajectories) and mem_coef > 0, each step also takes
+    mem_coef * L_M over its share of them. Returns lists of per-micro-batch statistics.
     """
-    stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": []}
+    stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": [], "mem_loss": []}
+    minis = micro_batches(len(ro), cfg.mini_batch_size)
+    use_mem = mem is not None and cfg.mem_coef > 0
+    mem_shares = [t.tolist() for t in torch.tensor_split(torch.arange(len(mem)), len(minis))] if use_mem else []
     for _ in range(cfg.ppo_epochs):
-        for mini in micro_batches(len(ro), cfg.mini_batch_size):
+        for j, mini in enumerate(minis):
             n_tok = max(1.0, float(ro.loss_mask[mini].sum()))
             for rows in micro_batches(len(mini), cfg.micro_batch_size):
                 rows = [mini[r] for r in rows]
@@ -134,6 +142,10 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                     check_finite(step + 1, value_loss=vf)
                     (vf * weight).backward()
                     stats["vf_loss"].append(vf.item() * weight)
+            if use_mem and mem_shares[j]:  # R1-Searcher++ §4.2.2: + mu * L_M (searchlite/r1pp.py)
+                lm_loss = memorization_backward(policy, mem, mem_shares[j], cfg.mem_coef, cfg.micro_batch_size, device)
+                check_finite(step + 1, mem_loss=lm_loss)
+                stats["mem_loss"].append(lm_loss)
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
             opt.step()
@@ -151,6 +163,8 @@ def main(argv=None) -> None:
         cfg = parse_args(argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if cfg.reward not in ("em", "r1pp"):
+        sys.exit(f"error: unknown --reward {cfg.reward!r} (valid: em, r1pp)")
     out = Path(cfg.out_dir)
     print(f"config:\n{format_config(cfg)}", flush=True)
     save_config(cfg, out / "config.json")
@@ -188,6 +202,12 @@ def main(argv=None) -> None:
                         top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                       chat_template=cfg.chat_template)
+    rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)
+    if cfg.mem_coef > 0:
+        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
+        rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                             top_p=cfg.top_p, seed=cfg.seed + 7919, batch_size=cfg.gen_batch_size)  # its own seeds
+        rewrite_prompt = rewrite_template(protocol, cfg.template)
 
     def evaluate(step: int) -> dict:
         metrics, _ = score_qa(sampler, retriever, tokenizer, protocol, test_qa, batch_size=64, **rollout_kw)
@@ -204,6 +224,8 @@ def main(argv=None) -> None:
             critic_opt.load_state_dict(state["critic_opt"])
             critic_sched.load_state_dict(state["critic_sched"])
         sampler.load_state_dict(state["sampler"])
+        if rewriter is not None:
+            rewriter.load_state_dict(state["rewriter"])
         set_rng_state(state["rng"])
         start = state["step"]
         print(f"resumed from {ckpt} at step {start}", flush=True)
@@ -223,9 +245,21 @@ def main(argv=None) -> None:
                      mask_retrieved=cfg.mask_retrieved, progress=True, **rollout_kw)
         t_rollout = time.time() - t0
 
-        # -------------------------------------------------------------- rewards (Search-R1: exact match only)
-        scores = compute_rewards(ro, questions)  # (N,)
+        # -------------------------------------------------------------- rewards
+        em = compute_rewards(ro, questions)  # (N,) exact match: Search-R1's reward, and logged for every run
+        terms = {}
+        if cfg.reward == "r1pp":  # R1-Searcher++ §4.2.1: R_format (0 / -2) + R_answer (cover-EM) + R_group
+            terms = reward_terms(ro, questions, protocol, cfg.group, cfg.eta, cfg.group_reward)  # each (N,)
+            scores = terms["format"] + terms["answer"] + terms["group"]  # (N,)
+        else:
+            scores = em
         check_finite(step + 1, reward=scores)
+
+        # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
+        mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
+        if rewriter is not None:
+            mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
+                                                cfg.chat_template)
 
         # -------------------------------------------------------------- old / reference log-probs, values
         mask = ro.loss_mask.float()  # (N, T)
@@ -249,7 +283,8 @@ def main(argv=None) -> None:
 
         # -------------------------------------------------------------- update
         policy.train()
-        stats = update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret)
+        stats = update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret,
+                       mem)
         sched.step()
         if critic is not None:
             critic_sched.step()
@@ -258,14 +293,18 @@ def main(argv=None) -> None:
         # -------------------------------------------------------------- log
         n_mini = cfg.ppo_epochs * len(micro_batches(len(ro), cfg.mini_batch_size))
         row = {
-            "step": step + 1, "reward": float(scores.mean()), "em": float(scores.mean()),
+            "step": step + 1, "reward": float(scores.mean()), "em": float(em.mean()),
+            **{f"r_{k}": float(v.float().mean()) for k, v in terms.items()},
             "searches": float(ro.searches.float().mean()), "turns": float(ro.turns.float().mean()),
             "answered": float(ro.answered.float().mean()),
             "response_len": float(ro.loss_mask.sum(1).float().mean()),
-            **{k: sum(v) / n_mini for k, v in stats.items() if v and k != "grad_norm"},
+            **{k: sum(v) / n_mini for k, v in stats.items() if v and k not in ("grad_norm", "mem_loss")},
             "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
             "t_rollout": t_rollout, "seconds": time.time() - t0,
         }
+        if rewriter is not None:
+            row |= {"mem_tried": mem_tried, "mem_kept": len(mem) if mem is not None else 0,
+                    "mem_loss": float(np.mean(stats["mem_loss"])) if stats["mem_loss"] else None}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
         metrics_file.write(json.dumps(row) + "\n")
@@ -279,6 +318,9 @@ def main(argv=None) -> None:
 
             write_html(out / "trajectories" / f"step{step + 1:05d}.html", ro, tokenizer, scores.tolist(),
                        [q.answers for q in questions], title=f"step {step + 1}", limit=8)
+            if mem is not None:
+                write_html(out / "trajectories" / f"step{step + 1:05d}-memorization.html", mem, tokenizer,
+                           [1.0] * len(mem), [[a] for a in mem.answers], title=f"step {step + 1}: rewrites", limit=8)
 
         # -------------------------------------------------------------- checkpoint
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
@@ -286,6 +328,8 @@ def main(argv=None) -> None:
                      "sampler": sampler.state_dict(), "config": vars(cfg)}
             if critic is not None:
                 state |= {"critic_opt": critic_opt.state_dict(), "critic_sched": critic_sched.state_dict()}
+            if rewriter is not None:
+                state["rewriter"] = rewriter.state_dict()
             save_checkpoint(out, policy, tokenizer, state, critic)
     metrics_file.close()
 

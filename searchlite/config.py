@@ -92,6 +92,16 @@ class Config:
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
     loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory
+    # --- rewards and R1-Searcher++ (arXiv 2505.17005; searchlite/r1pp.py)
+    reward: str = "em"  # em (Search-R1: exact match) | r1pp (R1-Searcher++ §4.2.1: format + cover-EM + group reward)
+    group_reward: bool = True  # r1pp reward: R_group = min(2 sigma^2, eta) to the correct rollout(s) with fewest searches
+    eta: float = 2.0  # cap of the group reward (R1-Searcher++'s eta); sigma = std of the group's search counts
+    mem_coef: float = 0.0  # mu: weight of the memorization loss L_M on internal-only rewrites (§4.2.2); 0 = off
+    cold_start_sampler: str = "policy"  # stage 1 (python -m searchlite.r1pp stage1): policy (the model) | teacher (toy world)
+    sft_questions: int = 0  # stage 1: train questions to rejection-sample, `group` samples each; 0 = all
+    sft_epochs: int = 1  # stage 1: SFT passes over the kept trajectories
+    sft_lr: float = 1e-5  # stage 1: SFT peak learning rate (warm-up, then cosine decay)
+    sft_batch_size: int = 32  # stage 1: trajectories per SFT step
     # --- logging and evaluation
     log_trajectories_every: int = 10  # write a few whole trajectories (HTML) every N steps; 0 = never
     eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end
@@ -163,11 +173,13 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
     return out
 
 
-def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py") -> Config:
-    """Build a Config from `--preset NAME` and `--field value` flags (see module docstring)."""
+def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py",
+               default_preset: str = DEFAULT_PRESET) -> Config:
+    """Build a Config from `--preset NAME` and `--field value` flags (see module docstring);
+    `default_preset` is applied when no --preset is given (and the file has it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(usage(prog, presets))
+        print(usage(prog, presets, default_preset))
         raise SystemExit(0)
     pairs, preset = [], None  # preset None = the default one, if the file has it
     i = 0
@@ -193,7 +205,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
             pairs.append((key, value))
         i += 1
     if preset is None:
-        preset = DEFAULT_PRESET if presets.exists() and DEFAULT_PRESET in _preset_names(presets) else "none"
+        preset = default_preset if presets.exists() and default_preset in _preset_names(presets) else "none"
     values = load_preset(preset, presets) if preset != "none" else {}
     for key, value in pairs:
         if key not in Config.__dataclass_fields__:
@@ -210,11 +222,11 @@ def _preset_names(path: Path) -> list[str]:
         return list(tomllib.load(f))
 
 
-def usage(prog: str, presets: Path = DEFAULT_PRESETS) -> str:
+def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET) -> str:
     helps = field_help()
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
     if presets.exists():
-        lines.append(f"presets ({presets.name}; '{DEFAULT_PRESET}' unless --preset is given, 'none' for the "
+        lines.append(f"presets ({presets.name}; '{default_preset}' unless --preset is given, 'none' for the "
                      f"defaults below): " + ", ".join(_preset_names(presets)))
     for f in fields(Config):
         kind = type(f.default).__name__

@@ -2,9 +2,10 @@
 
 The reward sits on the last policy token of a trajectory; this module only turns strings
 and per-rollout counts into floats. `train.py` calls, per trajectory,
-`exact_match(pred, golds)` (Search-R1's training reward) or, for R1-Searcher++,
-`format_reward(ok) + cover_exact_match(pred, golds)` plus `group_reward(...)` over each
-question's group of rollouts. `evaluate.py` reports EM, F1 and cover-EM.
+`exact_match(pred, golds)` (Search-R1's training reward) or, for R1-Searcher++ (through
+`searchlite.r1pp.reward_terms`), `format_reward(ok) + cover_exact_match(pred, golds)` plus
+`group_reward(...)` over each question's group of rollouts. `evaluate.py` reports EM, F1
+and cover-EM.
 
 `pred` is the text inside the final `<answer>...</answer>` (None when there was none);
 `golds` is the list of golden answers (a bare string is taken as a one-item list).

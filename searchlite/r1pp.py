@@ -1,0 +1,304 @@
+"""R1-Searcher++ (Song et al. 2025, arXiv 2505.17005): the SFT cold start and what its RL adds.
+
+    python -m searchlite.r1pp stage1 --preset toy-r1pp-sft   # stage 1: rejection sampling + SFT -> out_dir/model
+    python train.py --preset toy-r1pp                        # stage 2: REINFORCE++ with the pieces below
+
+Stage 1 (§4.1), `stage1`: roll out `group` trajectories for each of `sft_questions` train
+questions under the internal/external protocol, keep the correct, well-formed, distinct ones
+(`rejection_sample`), SFT the model on them with retrieved tokens masked (searchlite.sft), and
+save it. The sampler is the model itself (`cold_start_sampler = "policy"`, the paper's way: a
+prompted instruct model) or, in the toy world, whose warm start never saw this protocol, the
+scripted teacher (`"teacher"`), which then plays the prompted model.
+
+Stage 2 (§4.2), called by train.py when `reward = "r1pp"` or `mem_coef > 0`:
+- `reward_terms`: R = R_format (0 / -2) + R_answer (cover-EM, 0 past 10 words) + R_group,
+  R_group = min(2 sigma^2, eta) to the correct rollout(s) with the fewest retrievals (§4.2.1);
+- `memorization_batch`: the stage-1 model (frozen) reads the documents a correct rollout
+  retrieved and answers from them "as from memory"; the correct internal-only answers become
+  trajectories *question prompt -> answer*, documents gone (§4.2.2);
+- `memorization_backward`: adds mu * L_M, L_M the token-mean NLL of those trajectories.
+
+The paper released no code, so these choices are ours (and read off its text):
+- "correct" means cover-EM = 1 *and* well formed, everywhere: a malformed rollout neither
+  earns the group reward nor seeds rejection sampling or memorization;
+- sigma is the population std of the search counts of the whole group, right and wrong
+  rollouts alike; ties for the fewest searches all get R_group (rewards.group_reward);
+- well formed = the protocol's tag check (Protocol.format_ok) on the policy's own text, after
+  cutting out the result blocks the environment inserted, with no result tags the model wrote
+  itself and no invalid action (the injected correction message);
+- one rewrite per correct rollout that searched, its passages each once; a rewrite is kept
+  when well formed, correct, without search tags or result tags, and without a word that gives
+  away that documents were shown (`GIVEAWAY`);
+- with several mini-batches a step, each mini-batch's optimizer step takes its share of the
+  memorization trajectories, so mu * L_M weighs the same as with one.
+Left out on purpose: the paper's LLM-judged evaluation (see judge.py) and any rewrite model
+other than the frozen stage-1 policy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .evaluation import encode_text, fill
+from .protocol import template_path
+from .rewards import cover_exact_match, format_reward, group_reward
+from .rollout import Rollout, _collate, encode_prompt, rollout
+from .sft import sft_loss
+
+# Words a rewrite may not use: the trajectory must read as recalled, not as read (§4.2.2).
+GIVEAWAY = re.compile(r"\b(documents?|passages?|notes?|provided|search results?|retriev\w*)\b", re.I)
+INTERNAL_OPEN = "<|begin_internal_answer|>"  # a rewrite must recall with it at least once
+
+
+# ---------------------------------------------------------------------------- judging one rollout
+
+
+def well_formed(response: str, protocol) -> bool:
+    """R_format's test of a whole response (§4.2.1): see the module docstring."""
+    if protocol.invalid_message in response:
+        return False
+    # The environment appends "\n<open>passages<close>\n" right after the search's closing tag
+    # (the first stop string in both protocols); cut those blocks, keep the tag.
+    close = re.escape(protocol.stop[0])
+    inserted = re.compile(f"{close}\n{re.escape(protocol.info_open)}.*?{re.escape(protocol.info_close)}\n", re.S)
+    own = inserted.sub(protocol.stop[0], response)
+    if protocol.info_open in own or protocol.info_close in own:
+        return False
+    return protocol.format_ok(own)
+
+
+def is_correct(response: str, answer: str | None, golds, protocol) -> bool:
+    """Correct = well formed and the answer covers a gold one (cover-EM, at most 10 words)."""
+    return well_formed(response, protocol) and cover_exact_match(answer, golds) == 1.0
+
+
+def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_group: bool = True) -> dict:
+    """R1-Searcher++'s reward terms for N = B * group rollouts, a question's rollouts adjacent.
+
+    Returns {"format", "answer", "group", "correct"}, each (N,); the reward is the sum of the
+    first three. `use_group=False` zeroes R_group (the paper's ablation without it).
+    """
+    fmt = torch.tensor([format_reward(well_formed(r, protocol)) for r in ro.responses])  # (N,) 0 or -2
+    ans = torch.tensor([cover_exact_match(a, q.answers) for a, q in zip(ro.answers, questions)])  # (N,) 0 or 1
+    correct = (fmt == 0) & (ans == 1)  # (N,)
+    grp = torch.zeros(len(ro))  # (N,)
+    if use_group:
+        for s in range(0, len(ro), group):
+            grp[s:s + group] = torch.tensor(group_reward(correct[s:s + group].tolist(),
+                                                         ro.searches[s:s + group].tolist(), eta))
+    return {"format": fmt, "answer": ans, "group": grp, "correct": correct}
+
+
+# ---------------------------------------------------------------------------- stage 2: memorization
+
+
+def rewrite_template(protocol, template: str = "") -> str:
+    """The rewrite prompt, with {documents} and {question}: templates/<set>_<protocol>_rewrite.txt
+    for a template set name (e.g. "toy"), else the paper-style templates/<protocol>_rewrite.txt."""
+    is_set = bool(template) and "/" not in template and "." not in template
+    path = template_path(f"{protocol.name}_rewrite", template if is_set else "")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no rewrite prompt for protocol {protocol.name!r} (mem_coef > 0 needs one)")
+    text = path.read_text()
+    if "{documents}" not in text or "{question}" not in text:
+        raise ValueError(f"{path}: a rewrite prompt needs {{documents}} and {{question}}")
+    return text.rstrip("\n") + "\n"
+
+
+def keep_rewrite(text: str, golds, protocol) -> bool:
+    """A rewrite is kept when it answers correctly and well formed, from "memory" alone: at least
+    one internal answer, no search call or result, no word giving away that documents were shown."""
+    if INTERNAL_OPEN not in text:
+        return False
+    if protocol.stop[0] in text or protocol.info_open in text or protocol.info_close in text:
+        return False
+    if GIVEAWAY.search(text):
+        return False
+    action = protocol.parse(text)
+    return action.kind == "answer" and is_correct(text, action.content, golds, protocol)
+
+
+def memorization_batch(sampler, tokenizer, protocol, template: str, ro, questions,
+                       chat_template: bool = True) -> tuple[Rollout | None, int]:
+    """Internal-only trajectories from the documents of the step's correct rollouts (§4.2.2).
+
+    For each correct rollout that searched, `sampler` (over the frozen stage-1 model) answers
+    the rewrite prompt (`template`: its passages, then the question) in one turn. A kept
+    answer becomes a trajectory: the plain question prompt (no documents) followed by exactly
+    the sampled ids, loss_mask 1 on them. Returns (trajectories or None if none was kept,
+    number of rewrites tried).
+    """
+    rows = [i for i in range(len(ro))
+            if ro.docs[i] and is_correct(ro.responses[i], ro.answers[i], questions[i].answers, protocol)]
+    if not rows:
+        return None, 0
+    prompts = []
+    for i in rows:
+        docs = list({h.id: h for h in ro.docs[i]}.values())  # each passage once, first-seen order
+        text = fill(template, question=questions[i].question.strip(),
+                    documents=protocol.format_passages(docs).rstrip("\n"))
+        prompts.append(encode_text(tokenizer, text, chat_template))
+    outs = sampler.generate(prompts, stop=protocol.stop)
+    keep = [(i, out) for i, out in zip(rows, outs)
+            if keep_rewrite(tokenizer.decode(out, skip_special_tokens=False), questions[i].answers, protocol)]
+    if not keep:
+        return None, len(rows)
+    plain = [encode_prompt(tokenizer, protocol, questions[i].question, chat_template) for i, _ in keep]
+    resp = [list(out) for _, out in keep]
+    answers = [protocol.parse(tokenizer.decode(out, skip_special_tokens=False)).content for out in resp]
+    mem = _collate(plain, resp, [[1] * len(r) for r in resp], [0] * len(keep), [1] * len(keep), answers,
+                   [[] for _ in keep], tokenizer)
+    return mem, len(rows)
+
+
+def memorization_backward(policy, mem: Rollout, rows: list[int], coef: float, micro_batch_size: int,
+                          device) -> float:
+    """Accumulate the gradient of coef * L_M over trajectories `rows` of `mem`; return L_M.
+
+    L_M is the mean NLL over all their response tokens (token mean, R1-Searcher++ §4.2.2), from
+    the raw logits: it is a likelihood, not the sampling distribution. Micro-batches are
+    weighted by their token share, so the sum of their gradients is that of L_M.
+    """
+    n_tok = max(1.0, float(mem.loss_mask[rows].sum()))
+    size = micro_batch_size or len(rows)
+    total = 0.0
+    for s in range(0, len(rows), size):
+        chunk = rows[s:s + size]
+        width = int(mem.attention_mask[chunk].sum(1).max())
+        ids, attn, lm = (x[chunk, :width].to(device) for x in (mem.input_ids, mem.attention_mask, mem.loss_mask))
+        nll = sft_loss(policy, ids, lm, attn)  # token mean over this micro-batch
+        weight = float(lm.sum()) / n_tok
+        (coef * weight * nll).backward()
+        total += nll.item() * weight
+    return total
+
+
+# ---------------------------------------------------------------------------- stage 1: cold start
+
+
+def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
+                     **rollout_kw) -> tuple[Rollout | None, dict]:
+    """Roll out `samples` trajectories per question (`batch_size` questions a call); keep the
+    correct, well-formed ones, each distinct trajectory once (§4.1). Returns (kept or None, counts)."""
+    from tqdm import tqdm
+
+    kept, seen = [], set()  # kept: (prompt ids, response ids, response mask, searches, turns, answer, docs)
+    n = {"questions": len(qa), "sampled": 0, "well_formed": 0, "correct": 0}
+    size = batch_size or len(qa)
+    for s in tqdm(range(0, len(qa), size), desc="rejection sampling"):
+        questions = [q for q in qa[s:s + size] for _ in range(samples)]
+        ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions], **rollout_kw)
+        for i, q in enumerate(questions):
+            ok = well_formed(ro.responses[i], protocol)
+            right = ok and cover_exact_match(ro.answers[i], q.answers) == 1.0
+            n["sampled"] += 1
+            n["well_formed"] += ok
+            n["correct"] += right
+            p, end = int(ro.prompt_len[i]), int(ro.attention_mask[i].sum())
+            key = tuple(ro.input_ids[i, :end].tolist())
+            if right and key not in seen:
+                seen.add(key)
+                kept.append((ro.input_ids[i, :p].tolist(), ro.input_ids[i, p:end].tolist(),
+                             ro.loss_mask[i, p:end].tolist(), int(ro.searches[i]), int(ro.turns[i]), ro.answers[i],
+                             ro.docs[i]))
+    n["kept"] = len(kept)
+    n["kept_internal"] = sum(k[3] == 0 for k in kept)
+    n["questions_kept"] = len({tuple(k[0]) for k in kept})
+    if not kept:
+        return None, n
+    prompts, resp, mask, searches, turns, answers, docs = (list(col) for col in zip(*kept))
+    return _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer), n
+
+
+def stage1(cfg) -> Path:
+    """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model."""
+    from .config import format_config, resolve_path, save_config
+    from .data import read_qa
+    from .models import load_policy, load_tokenizer, pick_device
+    from .protocol import get_protocol
+    from .retrieval import build_retriever
+    from .sampler import HFSampler
+    from .sft import sft
+    from .view import write_html
+
+    out = Path(cfg.out_dir)
+    print(f"config:\n{format_config(cfg)}", flush=True)
+    save_config(cfg, out / "config.json")
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    device = pick_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
+    train_qa = read_qa(resolve_path(cfg.train_data))
+    qa = list(train_qa)
+    random.Random(cfg.seed).shuffle(qa)
+    qa = qa[:cfg.sft_questions or len(qa)]
+    retriever = build_retriever(cfg.retriever, resolve_path(cfg.corpus) if cfg.retriever != "http" else None,
+                                encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
+                                url=cfg.retriever_url or None)
+    protocol = get_protocol(cfg.protocol, cfg.template)
+    if cfg.cold_start_sampler == "teacher":
+        from .teacher import Teacher
+
+        sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
+    elif cfg.cold_start_sampler == "policy":
+        sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    else:
+        sys.exit(f"error: unknown --cold_start_sampler {cfg.cold_start_sampler!r} (valid: policy, teacher)")
+    t_sample = time.time()
+    kept, counts = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
+                                    max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
+                                    max_len=cfg.max_len, chat_template=cfg.chat_template)
+    print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+    counts["t_sample"] = time.time() - t_sample
+    if kept is None:
+        sys.exit("error: no sampled trajectory was both correct and well formed, nothing to fine-tune on; "
+                 "sample more (--group, --sft_questions) or, in the toy world, --cold_start_sampler teacher")
+    write_html(out / "trajectories" / "kept.html", kept, tokenizer, [1.0] * len(kept), [[a] for a in kept.answers],
+               title="stage 1: kept trajectories", limit=16)
+    losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
+                 lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
+                 grad_clip=cfg.grad_clip, seed=cfg.seed)
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    tail = losses[-20:]
+    counts |= {"sft_steps": len(losses), "sft_loss": sum(tail) / len(tail), "sft_first_loss": losses[0],
+               "seconds": time.time() - t0}
+    (out / "stage1.json").write_text(json.dumps(counts, indent=2) + "\n")
+    print(f"stage 1: sft loss {counts['sft_loss']:.4f} over {len(losses)} steps; wrote {out / 'model'} "
+          f"in {counts['seconds']:.0f}s", flush=True)
+    return out / "model"
+
+
+USAGE = """usage: python -m searchlite.r1pp stage1 [--preset NAME] [--field value ...]
+
+R1-Searcher++ stage 1, the SFT cold start (see this module's docstring). Reads model,
+train_data, the retrieval and rollout fields, group (samples per question), batch_size
+(questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr and
+sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
+Every field: python -m searchlite.r1pp stage1 --help."""
+
+
+def main(argv=None) -> None:
+    from .config import ConfigError, parse_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "stage1":
+        sys.exit(USAGE)
+    try:
+        cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft")
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    stage1(cfg)
+
+
+if __name__ == "__main__":
+    main()

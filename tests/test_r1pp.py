@@ -1,0 +1,327 @@
+"""R1-Searcher++: reward terms on hand-computed groups, well-formedness, rejection sampling, the
+rewrite data for memorization, the zero weight of L_M at mu = 0, and stage 1 / stage 2 end to end."""
+
+import json
+
+import pytest
+import torch
+
+import train
+from searchlite import r1pp
+from searchlite.config import TOY_DIR, parse_args
+from searchlite.data import QA
+from searchlite.models import load_tokenizer
+from searchlite.protocol import get_protocol
+from searchlite.retrieval import Hit
+from searchlite.rollout import _collate, encode_prompt
+
+PP = get_protocol("r1_searcher_pp", "toy")
+RESULT = "\n<|begin_search_result|>Doc 1(Title: T) some text\n<|end_search_result|>\n"
+
+
+def internal(answer: str) -> str:
+    return f"I know. <|begin_internal_answer|> {answer} <|end_internal_answer|>\nSo \\boxed{{{answer}}}."
+
+
+def searched(answer: str, n: int = 1) -> str:
+    """A response that searched `n` times, result blocks as the rollout inserts them."""
+    return "".join(f"Look. <|begin_external_search|> q{k} <|end_external_search|>{RESULT}" for k in range(n)) + \
+        f"I found it. So \\boxed{{{answer}}}."
+
+
+class _Fake:
+    """The fields of a Rollout that reward_terms and memorization_batch read, from (response, answer, searches)."""
+
+    def __init__(self, rows, docs=None):
+        self.responses = [r for r, _, _ in rows]
+        self.answers = [a for _, a, _ in rows]
+        self.searches = torch.tensor([s for _, _, s in rows])
+        self.docs = docs or [[] for _ in rows]
+
+    def __len__(self):
+        return len(self.responses)
+
+
+# ---------------------------------------------------------------------------- rewards
+
+
+def test_well_formed():
+    assert r1pp.well_formed(internal("paris"), PP)
+    assert r1pp.well_formed(searched("paris", 2), PP)  # the environment's result blocks are fine
+    assert not r1pp.well_formed("So the answer is paris.", PP)  # no \boxed{}
+    assert not r1pp.well_formed(internal("paris") + " \\boxed{lyon}", PP)  # two answers
+    assert not r1pp.well_formed("<|begin_internal_answer|> paris \\boxed{paris}", PP)  # unclosed tag
+    assert not r1pp.well_formed("<|end_internal_answer|> x <|begin_internal_answer|> \\boxed{x}", PP)  # order
+    # result tags the model wrote itself (not after a search call)
+    assert not r1pp.well_formed("<|begin_search_result|> made up <|end_search_result|> \\boxed{paris}", PP)
+    # an invalid action: the rollout injected its correction message
+    assert not r1pp.well_formed("oops" + PP.invalid_message + internal("paris"), PP)
+
+
+def test_reward_terms_hand_computed_groups():
+    gold_a, gold_b = QA("a", "qa", ["Paris"]), QA("b", "qb", ["Berlin"])
+    ro = _Fake([
+        # group A, gold Paris: two correct rollouts tie for the fewest searches (0)
+        (internal("paris"), "paris", 0),
+        (searched("Paris", 1), "Paris", 1),
+        (searched("lyon", 2), "lyon", 2),
+        (internal("The Paris"), "The Paris", 0),
+        # group B, gold Berlin: no correct rollout
+        ("<|begin_internal_answer|> berlin \\boxed{berlin}", "berlin", 0),  # right answer, malformed tag: -2
+        (searched("one two three four five six seven eight nine ten berlin"),
+         "one two three four five six seven eight nine ten berlin", 1),  # 11 words: R_answer 0
+        ("I give up.", None, 2),  # no answer: malformed
+        (searched("bonn", 3), "bonn", 3),
+    ])
+    questions = [gold_a] * 4 + [gold_b] * 4
+    t = r1pp.reward_terms(ro, questions, PP, group=4, eta=2.0)
+    assert t["format"].tolist() == [0, 0, 0, 0, -2, 0, -2, 0]
+    assert t["answer"].tolist() == [1, 1, 0, 1, 1, 0, 0, 0]
+    assert t["correct"].tolist() == [True, True, False, True, False, False, False, False]
+    # group A: counts 0,1,2,0 -> mean 0.75, population var (0.5625+0.0625+1.5625+0.5625)/4 = 0.6875,
+    # 2 var = 1.375 < eta; both correct rollouts with 0 searches get it. Group B: none correct -> 0
+    # (its var 1.25 would give min(2.5, 2) = 2 to a correct one).
+    assert t["group"].tolist() == pytest.approx([1.375, 0, 0, 1.375, 0, 0, 0, 0], abs=1e-7)
+    total = t["format"] + t["answer"] + t["group"]
+    assert total.tolist() == pytest.approx([2.375, 1, 0, 2.375, -1, 0, -2, 0], abs=1e-7)
+    assert r1pp.reward_terms(ro, questions, PP, group=4, use_group=False)["group"].tolist() == [0.0] * 8
+
+
+def test_group_reward_capped_at_eta_and_given_to_the_cheapest_correct():
+    q = QA("a", "qa", ["paris"])
+    ro = _Fake([(searched("paris", 4), "paris", 4), (internal("lyon"), "lyon", 0), (searched("paris", 1), "paris", 1),
+                (internal("rome"), "rome", 0)])
+    # counts 4,0,1,0: mean 1.25, var (7.5625+1.5625+0.0625+1.5625)/4 = 2.6875 -> 5.375, capped at 2;
+    # the wrong rollouts with 0 searches do not count: the fewest among the correct is 1
+    assert r1pp.reward_terms(ro, [q] * 4, PP, group=4, eta=2.0)["group"].tolist() == [0, 0, 2.0, 0]
+
+
+# ---------------------------------------------------------------------------- rejection sampling (stage 1)
+
+
+class ScriptedSampler:
+    """Writes a fixed turn for each question (looked up in the prompt), per turn number."""
+
+    def __init__(self, tok, scripts: dict):
+        self.tok, self.scripts, self.prompts = tok, scripts, []
+
+    def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None):
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p, skip_special_tokens=False)
+            self.prompts.append(text)
+            key = next(k for k in self.scripts if f"Question: {k}" in text)
+            turns = self.scripts[key]
+            turn = turns[min(text.count("<|begin_search_result|>"), len(turns) - 1)]
+            eos = [] if turn.endswith(stop) else [self.tok.eos_token_id]  # a turn ends at a stop string or EOS
+            out.append(self.tok.encode(turn, add_special_tokens=False) + eos)
+        return out
+
+
+class FixedRetriever:
+    def search(self, queries, k):
+        return [[Hit("7", "Paris", "Paris is the capital of France.", 1.0)] for _ in queries]
+
+
+def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
+    tok = byte_tokenizer
+    scripts = {
+        "q-internal": [internal("paris")],  # kept
+        "q-search": ["Search. <|begin_external_search|> paris <|end_external_search|>", "So \\boxed{paris}."],  # kept
+        "q-malformed": ["<|begin_internal_answer|> paris \\boxed{paris}"],  # unclosed tag
+        "q-wrong": [internal("lyon")],  # well formed, wrong
+        "q-long": ["So \\boxed{one two three four five six seven eight nine ten paris}"],  # 11 words
+        "q-none": ["I do not know."],  # no answer at all
+    }
+    qa = [QA(k, k, ["Paris"]) for k in scripts]
+    kept, n = r1pp.rejection_sample(ScriptedSampler(tok, scripts), FixedRetriever(), tok, PP, qa, samples=2,
+                                    batch_size=4, max_turns=2, topk=1, chat_template=False)
+    assert n == {"questions": 6, "sampled": 12, "well_formed": 8, "correct": 4, "kept": 2, "kept_internal": 1,
+                 "questions_kept": 2}  # the two identical samples of a question are kept once
+    texts = [tok.decode(kept.input_ids[i, :int(kept.attention_mask[i].sum())]) for i in range(len(kept))]
+    assert [t.split("Question: ")[1].split("\n")[0] for t in texts] == ["q-internal", "q-search"]
+    assert kept.searches.tolist() == [0, 1]
+    # the search result is in the trajectory but masked out of the SFT loss
+    i = 1
+    trained = tok.decode(kept.input_ids[i][kept.loss_mask[i].bool()])
+    assert "Paris is the capital" in texts[i] and "Paris is the capital" not in trained
+    assert "<|begin_search_result|>" not in trained
+
+
+# ---------------------------------------------------------------------------- memorization (stage 2)
+
+
+def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
+    tok = byte_tokenizer
+    doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
+    rewrites = {
+        "q-good": [internal("paris")],  # kept
+        "q-search": ["<|begin_external_search|> fooland <|end_external_search|>"],  # tried to search
+        "q-result": ["<|begin_search_result|> Paris <|end_search_result|> \\boxed{paris}"],  # result tags
+        "q-wrong": [internal("lyon")],
+        "q-giveaway": ["The documents say Paris. \\boxed{paris}"],  # mentions what it was shown
+        "q-bare": ["So \\boxed{paris}."],  # right, but recalls nothing with the internal-answer tags
+    }
+    rows = [(searched("paris"), "paris", 1) for _ in rewrites]
+    rows += [(internal("paris"), "paris", 0), (searched("lyon"), "lyon", 1)]  # no documents; wrong
+    names = list(rewrites) + ["q-nodocs", "q-wrongrollout"]
+    ro = _Fake(rows, docs=[[doc, doc] for _ in rewrites] + [[], [doc]])
+    questions = [QA(k, k, ["Paris"]) for k in names]
+    sampler = ScriptedSampler(tok, {**rewrites, "q-wrongrollout": [internal("paris")]})
+    template = r1pp.rewrite_template(PP, "toy")
+    mem, tried = r1pp.memorization_batch(sampler, tok, PP, template, ro, questions, chat_template=False)
+    assert tried == 6  # one rewrite per correct rollout that searched
+    assert all(p.count("The capital of Fooland is Paris.") == 1 for p in sampler.prompts)  # documents in context, once
+    assert len(mem) == 1 and mem.answers == ["paris"] and mem.searches.tolist() == [0]
+    ids, lm = mem.input_ids[0][mem.attention_mask[0].bool()], mem.loss_mask[0][mem.attention_mask[0].bool()]
+    prompt = encode_prompt(tok, PP, "q-good", chat_template=False)
+    assert ids[:len(prompt)].tolist() == prompt and not lm[:len(prompt)].any()  # the plain prompt, untrained
+    assert lm[len(prompt):].all()
+    assert "Fooland" not in tok.decode(ids)  # no document anywhere in the trajectory
+    trained = ids[lm.bool()].tolist()
+    for tag in (PP.info_open, PP.info_close, "<|begin_external_search|>", "<|end_external_search|>"):
+        assert tok.convert_tokens_to_ids(tag) not in trained
+        assert tag not in tok.decode(trained)
+    assert tok.decode(trained) == internal("paris") + tok.eos_token
+
+
+def test_rewrite_template_choice():
+    assert "{documents}" in r1pp.rewrite_template(PP, "toy") and len(r1pp.rewrite_template(PP, "toy")) < 200
+    assert "Notes:" in r1pp.rewrite_template(PP, "") == r1pp.rewrite_template(PP, "some/file.txt")
+    with pytest.raises(FileNotFoundError):
+        r1pp.rewrite_template(get_protocol("search_r1"), "")
+
+
+def _batch(tok, n=4, seed=0):
+    """A small Rollout of random ids with a prompt part, and the matching memorization rows."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 200, (5,), generator=g).tolist() for _ in range(n)]
+    resp = [torch.randint(3, 200, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+    ro = _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * n, [1] * n, [None] * n, [[]] * n, tok)
+    return ro
+
+
+def _params_after_update(model, tok, mem, mem_coef, mini_batch_size=0):
+    import copy
+
+    from searchlite.models import make_optimizer
+
+    policy = copy.deepcopy(model)
+    cfg = parse_args(["--preset", "none", "--mem_coef", str(mem_coef), "--micro_batch_size", "2",
+                      "--mini_batch_size", str(mini_batch_size), "--lr", "1e-2"])
+    ro = _batch(tok)
+    opt, _ = make_optimizer(policy.parameters(), cfg.lr, 0.0, 0)
+    old_logp = train.score_tokens(policy, ro, 2, "cpu")
+    adv = torch.linspace(-1, 1, ro.input_ids.numel()).view_as(old_logp) * ro.loss_mask
+    stats = train.update(cfg, 0, policy, opt, ro, old_logp, old_logp, adv, "cpu", mem=mem)
+    return [p.detach().clone() for p in policy.parameters()], stats
+
+
+def test_memorization_loss_is_zero_weighted_at_mu_zero(tiny_llama, byte_tokenizer):
+    mem = _batch(byte_tokenizer, n=3, seed=1)
+    without, _ = _params_after_update(tiny_llama, byte_tokenizer, None, 0.0)
+    zero, stats = _params_after_update(tiny_llama, byte_tokenizer, mem, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(without, zero)) and stats["mem_loss"] == []
+    on, stats = _params_after_update(tiny_llama, byte_tokenizer, mem, 0.1)
+    assert any(not torch.equal(a, b) for a, b in zip(without, on)) and len(stats["mem_loss"]) == 1
+    # two mini-batches: each optimizer step takes its share of the rewrites
+    _, stats = _params_after_update(tiny_llama, byte_tokenizer, mem, 0.1, mini_batch_size=2)
+    assert len(stats["mem_loss"]) == 2
+
+
+def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_tokenizer):
+    from searchlite.sft import sft_loss
+
+    mem = _batch(byte_tokenizer, n=5, seed=2)
+    rows = list(range(5))
+    loss = r1pp.memorization_backward(tiny_llama, mem, rows, 0.1, 2, "cpu")  # micro-batches of 2, 2, 1
+    got = [p.grad.clone() for p in tiny_llama.parameters()]
+    tiny_llama.zero_grad()
+    ref = sft_loss(tiny_llama, mem.input_ids, mem.loss_mask, mem.attention_mask)  # one token mean over all rows
+    (0.1 * ref).backward()
+    assert loss == pytest.approx(ref.item(), abs=1e-5)
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(got, tiny_llama.parameters()))
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama with the toy world's tokenizer, saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = load_tokenizer(str(TOY_DIR))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
+    out = tmp_path / "s1"
+    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out),
+               "--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4"])
+    counts = json.loads((out / "stage1.json").read_text())
+    assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
+    assert (out / "model" / "model.safetensors").exists() and (out / "trajectories" / "kept.html").exists()
+
+
+def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
+    with pytest.raises(SystemExit, match="no sampled trajectory"):  # a random model writes no valid trajectory
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--cold_start_sampler", "policy", "--model", tiny_model,
+                   "--out_dir", str(tmp_path), "--sft_questions", "2", "--group", "2", "--max_new_tokens", "4",
+                   "--max_turns", "1"])
+
+
+def stage2_args(model, out, extra=()):
+    return ["--preset", "toy-r1pp", "--model", model, "--out_dir", str(out), "--steps", "2", "--batch_size", "2",
+            "--group", "2", "--max_new_tokens", "6", "--max_turns", "1", "--eval_size", "4", "--lr", "1e-2",
+            "--micro_batch_size", "3", "--log_trajectories_every", "1", "--save_every", "1", *extra]
+
+
+def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
+    """The full recipe for 2 steps. A random model is never right, so the rewrites are stubbed
+    with real trajectories (question prompt + internal answer) to run the L_M path."""
+    tok = load_tokenizer(tiny_model)
+    seen = []
+
+    def rewrites(sampler, tokenizer, protocol, template, ro, questions, chat_template=True):
+        seen.append(sampler.model)
+        resp = [tok.encode(internal(q.answers[0]) + tok.eos_token, add_special_tokens=False) for q in questions[:3]]
+        prompts = [encode_prompt(tok, protocol, q.question, chat_template) for q in questions[:3]]
+        return _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * 3, [1] * 3, ["x"] * 3, [[]] * 3, tok), 3
+
+    monkeypatch.setattr(train, "memorization_batch", rewrites)
+    out = tmp_path / "full"
+    train.main(stage2_args(tiny_model, out))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        for k in ("loss", "kl", "entropy", "reward", "mem_loss", "r_format", "r_answer", "r_group"):
+            assert torch.isfinite(torch.tensor(float(r[k]))), k
+        assert r["mem_kept"] == 3
+    assert not any(p.requires_grad for p in seen[0].parameters())  # the rewrite model is frozen
+    assert (out / "trajectories" / "step00002-memorization.html").exists()
+    train.main(stage2_args(tiny_model, out, ["--steps", "3", "--resume"]))  # the rewriter's seed stream resumes too
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+
+
+def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
+    for name, extra in [("no-mem-no-group", ["--mem_coef", "0", "--group_reward", "false"]),
+                        ("em", ["--reward", "em", "--mem_coef", "0", "--steps", "1"])]:
+        out = tmp_path / name
+        train.main(stage2_args(tiny_model, out, extra))
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        assert torch.isfinite(torch.tensor(last["loss"])) and "mem_kept" not in last
+        assert ("r_group" in last) == (name != "em") and last.get("r_group", 0.0) == 0.0
+
+
+def test_unknown_reward_exits():
+    with pytest.raises(SystemExit, match="unknown --reward 'f1'"):
+        train.main(["--reward", "f1"])
