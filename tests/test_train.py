@@ -6,25 +6,6 @@ import pytest
 import torch
 
 import train
-from searchlite.config import TOY_DIR
-from searchlite.models import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random 2-layer Llama with the toy world's tokenizer, saved as a Hugging Face folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = load_tokenizer(str(TOY_DIR))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    model = LlamaForCausalLM(cfg)
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 def args(model, out, algo, steps=2, extra=()):
