@@ -85,7 +85,7 @@ def main(argv=None) -> None:
                          "(default 6)")
     ap.add_argument("--epochs", type=int, default=4,
                     help="second SFT phase: passes with the imperfect teacher, each over fresh trajectories "
-                         "(default 6)")
+                         "(default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="SFT peak learning rate (default 3e-3)")
     ap.add_argument("--batch-size", type=int, default=4,
                     help="SFT batch size (default 4: reading emerges after ~2,000 updates, and small batches fit more)")
