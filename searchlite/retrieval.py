@@ -3,6 +3,7 @@ client for a Search-R1-compatible server.
 
     r = build_retriever("bm25", "wiki-18.jsonl")
     hits = r.search(["who wrote hamlet", "capital of peru"], k=3)   # one list of Hit per query
+    r = load_index("indexes/e5")                # a folder written by `retrieve.py build`
 
 Every retriever answers a batch of queries with `search(queries, k)`; duplicate queries in
 one call are searched once (a GRPO group often repeats a query) and the result lists stay
@@ -10,14 +11,16 @@ aligned with the input. Queries never raise on content: empty or 10,000-characte
 fine (dense encoders truncate to `max_length` tokens). BM25 returns only passages sharing a
 term with the query, as Lucene does for Search-R1, so a query of unknown words gets `[]`.
 
-Left out on purpose: approximate FAISS indexes (IVF, HNSW), GPU FAISS and sharded indexes,
-rerankers, and caching across calls. A flat inner-product index over normalised embeddings
-is exact; for wiki-18 (21M passages) build it once on a GPU box and `serve` it over HTTP.
+Passages may be a list or a lazy `Corpus` over a JSONL file (searchlite/corpus.py), which
+holds line offsets, not text: that and memory-mapped indexes are how wiki-18 (21M passages)
+fits. A dense retriever also takes Search-R1's released `e5_Flat.index` with wiki-18.jsonl
+as they are (vector i = passage i). Building big indexes (sharded, resumable, HNSW or IVF-PQ)
+is searchlite/indexing.py's job. Left out on purpose: GPU FAISS, rerankers, and caching
+across calls.
 """
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import os
@@ -27,7 +30,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from searchlite.data import Passage, read_corpus, split_contents
+from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
+from searchlite.data import Passage, split_contents
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
 
@@ -62,61 +66,99 @@ class Retriever:
         raise NotImplementedError
 
 
-def _hits(passages: list[Passage], idx, scores) -> list[Hit]:
-    return [Hit(passages[i].id, passages[i].title, passages[i].text, float(s)) for i, s in zip(idx, scores)]
+def _hits(passages, idx, scores) -> list[Hit]:
+    out = []
+    for i, s in zip(idx, scores):
+        p = passages[int(i)]  # one read for a lazy Corpus
+        out.append(Hit(p.id, p.title, p.text, float(s)))
+    return out
+
+
+def _corpus_record(folder, passages) -> dict:
+    """What an index folder notes about its corpus: size and an id fingerprint, and for a
+    file-backed corpus its path, with its line offsets cached beside the index."""
+    import numpy as np
+
+    rec = dict(num_passages=len(passages), ids_sample_sha1=sample_ids_digest(passages), corpus=None)
+    if isinstance(passages, Corpus):
+        rec["corpus"] = os.path.abspath(passages.path)
+        np.savez(os.path.join(folder, "corpus_offsets.npz"), starts=passages.starts, blank_at=passages.blank_at,
+                 stamp=np.asarray(passages.stamp))
+    return rec
+
+
+def _check_corpus(folder, settings: dict, passages) -> None:
+    expected = settings.get("ids_sample_sha1")
+    if settings.get("num_passages") != len(passages) or (expected and expected != sample_ids_digest(passages)):
+        raise ValueError(f"{folder} was built over a different corpus (passage ids or order differ): it holds "
+                         f"{settings.get('num_passages')} passages, the corpus given has {len(passages)}")
 
 
 # ---------------------------------------------------------------------------- BM25
 
 
 class BM25Retriever(Retriever):
-    """Okapi BM25 over `title + text`, with bm25s (fast, sparse matrix; the default) or
-    rank_bm25 (pure Python, slower). Both use bm25s's tokenizer: lowercase, words of two or
-    more characters, English stopwords removed; no stemming."""
+    """Okapi BM25 over `title + text` with bm25s's tokenizer and Lucene scoring: the "bm25s"
+    backend is searchlite.bm25's streaming, memory-mappable index (bm25s's file layout);
+    "rank_bm25" is the pure-Python package, slower, for comparison on small corpora.
+    `index` is a prebuilt `BM25Index` to use instead of indexing `passages`."""
 
-    def __init__(self, passages: list[Passage], backend: str = "bm25s"):
-        import bm25s
+    def __init__(self, passages, backend: str = "bm25s", index=None, progress: bool = True):
+        from searchlite.bm25 import build_bm25
 
         if backend not in ("bm25s", "rank_bm25"):
             raise ValueError(f"unknown BM25 backend {backend!r}; valid: 'bm25s', 'rank_bm25'")
-        if not passages:
+        if not len(passages):
             raise ValueError("BM25Retriever needs at least one passage")
-        self.passages, self.backend = list(passages), backend
-        texts = [f"{p.title}\n{p.text}" for p in self.passages]
-        show = len(texts) >= _SHOW_PROGRESS
-        if backend == "bm25s":
-            tokens = bm25s.tokenize(texts, stopwords="en", show_progress=show)
-            self.index = bm25s.BM25()
-            self.index.index(tokens, show_progress=show)
-        else:
+        self.passages = passages if isinstance(passages, Corpus) else list(passages)
+        self.backend = backend
+        if backend == "rank_bm25":
             from rank_bm25 import BM25Okapi
+            from searchlite.bm25 import tokenize
 
-            self.index = BM25Okapi(bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=show))
-
-    def _scores(self, tokens: list[str]):
-        import numpy as np
-
-        if self.backend == "rank_bm25":
-            return np.asarray(self.index.get_scores(tokens), dtype=np.float64)
-        ids = self.index.get_tokens_ids(tokens)  # unknown words dropped
-        if not ids:
-            return np.zeros(len(self.passages))
-        return self.index.get_scores_from_ids(ids)
+            self.index = BM25Okapi(tokenize([f"{p.title}\n{p.text}" for p in self.passages]))
+        elif index is not None:
+            if index.num_docs != len(self.passages):
+                raise ValueError(f"BM25 index holds {index.num_docs} passages but there are {len(self.passages)}")
+            self.index = index
+        else:
+            show = progress and len(self.passages) >= _SHOW_PROGRESS
+            self.index = build_bm25(batches(self.passages, 10_000), len(self.passages), progress=show)
 
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
-        import bm25s
         import numpy as np
+        from searchlite.bm25 import tokenize
 
-        tokenized = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
         out = []
-        for tokens in tokenized:
-            scores = self._scores([t for t in tokens if t])  # (N,)
-            kk = min(k, len(scores))
-            top = np.argpartition(-scores, kk - 1)[:kk] if kk < len(scores) else np.arange(len(scores))
-            top = top[np.lexsort((top, -scores[top]))]  # best first, ties in corpus order
-            top = top[scores[top] > 0]  # no shared term, no hit
-            out.append(_hits(self.passages, top, scores[top]))
+        for tokens in tokenize(list(queries)):
+            tokens = [t for t in tokens if t]
+            if self.backend == "bm25s":
+                top, scores = self.index.top_k(self.index.token_ids(tokens), k)
+            else:
+                scores = np.asarray(self.index.get_scores(tokens), dtype=np.float64)  # (N,)
+                top = np.argsort(-scores, kind="stable")[:k]  # best first, ties in corpus order
+                top = top[scores[top] > 0]  # no shared term, no hit
+                scores = scores[top]
+            out.append(_hits(self.passages, top, scores))
         return out
+
+    def save(self, folder) -> None:
+        """Write the index (bm25s's files) and `bm25.json`, last: a folder without it is unfinished."""
+        if self.backend != "bm25s":
+            raise ValueError("only the 'bm25s' backend saves an index")
+        self.index.save(folder)
+        settings = dict(kind="bm25", **_corpus_record(folder, self.passages))
+        with open(os.path.join(folder, "bm25.json"), "w") as f:
+            json.dump(settings, f, indent=2)
+
+    @classmethod
+    def load(cls, folder, passages) -> "BM25Retriever":
+        """Open a folder written by `save` (arrays memory-mapped) over the same passages."""
+        from searchlite.bm25 import BM25Index
+
+        with open(os.path.join(folder, "bm25.json")) as f:
+            _check_corpus(folder, json.load(f), passages)
+        return cls(passages, index=BM25Index.load(folder))
 
 
 # ---------------------------------------------------------------------------- dense
@@ -139,57 +181,34 @@ def default_prefixes(encoder: str) -> tuple[str, str]:
     return "", ""
 
 
-def _ids_digest(passages: list[Passage]) -> str:
-    return hashlib.sha1("\n".join(p.id for p in passages).encode("utf-8")).hexdigest()
+class TextEncoder:
+    """Any Hugging Face encoder (AutoModel) with mean or CLS pooling and L2-normalised
+    output, so inner product = cosine (E5's and BGE's recipe; Search-R1 uses E5, mean)."""
 
-
-class DenseRetriever(Retriever):
-    """Any Hugging Face encoder (AutoModel), mean or CLS pooling, L2-normalised embeddings,
-    exact search in a FAISS `IndexFlatIP` (inner product = cosine). Passages are encoded as
-    `passage_prefix + contents` (Search-R1's wiki-18 form), queries as `query_prefix + q`.
-    `index` may be a built FAISS index or a path to one; otherwise the corpus is encoded."""
-
-    def __init__(self, passages: list[Passage], encoder: str, pooling: str = "mean",
-                 query_prefix: str | None = None, passage_prefix: str | None = None,
-                 batch_size: int = 64, max_length: int = 256, device: str = "cpu", index=None):
-        import faiss
+    def __init__(self, name: str, pooling: str = "mean", batch_size: int = 64, max_length: int = 256,
+                 device: str = "cpu"):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
         if pooling not in ("mean", "cls"):
             raise ValueError(f"unknown pooling {pooling!r}; valid: 'mean', 'cls'")
-        if not passages:
-            raise ValueError("DenseRetriever needs at least one passage")
-        dq, dp = default_prefixes(encoder)
-        self.passages, self.encoder, self.pooling = list(passages), str(encoder), pooling
-        self.query_prefix = dq if query_prefix is None else query_prefix
-        self.passage_prefix = dp if passage_prefix is None else passage_prefix
-        self.batch_size, self.max_length, self.device = batch_size, max_length, torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(encoder)
+        self.name, self.pooling, self.batch_size, self.max_length = str(name), pooling, batch_size, max_length
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(name)
         if self.tokenizer.pad_token is None:  # decoder-style encoders ship without one
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        self.model = AutoModel.from_pretrained(encoder).to(self.device).eval()
-        if index is None:
-            emb = self.encode([p.contents for p in self.passages], self.passage_prefix, progress=True)
-            index = faiss.IndexFlatIP(emb.shape[1])
-            index.add(emb)
-        elif isinstance(index, (str, os.PathLike)):
-            index = faiss.read_index(str(index))
-        if index.ntotal != len(self.passages):
-            raise ValueError(f"index holds {index.ntotal} vectors but there are {len(self.passages)} passages")
-        self.index = index
+        self.model = AutoModel.from_pretrained(name).to(self.device).eval()
 
-    def encode(self, texts: list[str], prefix: str = "", progress: bool = False):
-        """Normalised embeddings, float32 numpy (len(texts), dim), in batches sorted by length."""
+    def encode(self, texts: list[str], prefix: str = "", bar=None):
+        """Normalised embeddings, float32 numpy (len(texts), dim), in batches sorted by length
+        (less padding); `bar`, a tqdm bar, advances per batch."""
         import numpy as np
         import torch
         import torch.nn.functional as F
-        from tqdm.auto import tqdm
 
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # less padding per batch
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         out = None
-        starts = range(0, len(texts), self.batch_size)
-        for s in tqdm(starts, desc="encoding passages", disable=not progress or len(texts) < _SHOW_PROGRESS):
+        for s in range(0, len(texts), self.batch_size):
             idx = order[s:s + self.batch_size]
             batch = self.tokenizer([prefix + texts[i] for i in idx], padding=True, truncation=True,
                                    max_length=self.max_length, return_tensors="pt").to(self.device)
@@ -204,7 +223,64 @@ class DenseRetriever(Retriever):
             if out is None:
                 out = np.empty((len(texts), e.shape[1]), dtype=np.float32)  # (n, H)
             out[idx] = e
+            if bar is not None:
+                bar.update(len(idx))
         return out
+
+
+class DenseRetriever(Retriever):
+    """Queries encoded as `query_prefix + q`, searched in a FAISS index of passages encoded
+    as `passage_prefix + contents` (Search-R1's wiki-18 form). `index` may be a built FAISS
+    index, a path to one (`mmap` maps a flat one instead of reading it into memory), or None:
+    then the passages are encoded here into an exact `IndexFlatIP`, 50k at a time.
+    `search_params` tunes an approximate index (faiss.ParameterSpace, e.g. "efSearch=128").
+    `encoder` is a name or folder, or a loaded `TextEncoder`."""
+
+    def __init__(self, passages, encoder, pooling: str = "mean", query_prefix: str | None = None,
+                 passage_prefix: str | None = None, batch_size: int = 64, max_length: int = 256,
+                 device: str = "cpu", index=None, search_params: str = "", mmap: bool = False):
+        import faiss
+
+        if not len(passages):
+            raise ValueError("DenseRetriever needs at least one passage")
+        self.passages = passages if isinstance(passages, Corpus) else list(passages)
+        self.text_encoder = encoder if isinstance(encoder, TextEncoder) else \
+            TextEncoder(encoder, pooling, batch_size, max_length, device)
+        dq, dp = default_prefixes(self.text_encoder.name)
+        self.query_prefix = dq if query_prefix is None else query_prefix
+        self.passage_prefix = dp if passage_prefix is None else passage_prefix
+        if index is None:
+            index = self._encode_flat()
+        elif isinstance(index, (str, os.PathLike)):
+            if not os.path.isfile(index):
+                raise FileNotFoundError(f"no FAISS index file at {index}")
+            index = faiss.read_index(str(index), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
+        if index.ntotal != len(self.passages):
+            raise ValueError(f"index holds {index.ntotal} vectors but there are {len(self.passages)} passages")
+        if search_params:
+            faiss.ParameterSpace().set_index_parameters(index, search_params)
+        self.index, self.search_params = index, search_params
+
+    def _encode_flat(self):
+        import faiss
+        from tqdm.auto import tqdm
+
+        index = None
+        with tqdm(total=len(self.passages), unit="passage", desc="encoding passages",
+                  disable=len(self.passages) < _SHOW_PROGRESS) as bar:
+            for _, chunk in batches(self.passages, 50_000):
+                emb = self.encode([p.contents for p in chunk], self.passage_prefix, bar=bar)  # (n, H)
+                index = index or faiss.IndexFlatIP(emb.shape[1])
+                index.add(emb)
+        return index
+
+    @property
+    def encoder(self) -> str:
+        return self.text_encoder.name
+
+    def encode(self, texts: list[str], prefix: str = "", bar=None):
+        """`TextEncoder.encode` with this retriever's encoder."""
+        return self.text_encoder.encode(texts, prefix, bar)
 
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
         if not queries:
@@ -213,50 +289,57 @@ class DenseRetriever(Retriever):
         if q.shape[1] != self.index.d:
             raise ValueError(f"encoder gives {q.shape[1]}-dim vectors but the index holds {self.index.d}-dim ones")
         scores, idx = self.index.search(q, min(k, self.index.ntotal))  # (n, k) each
-        return [_hits(self.passages, [i for i in row if i >= 0], srow[row >= 0]) for row, srow in zip(idx, scores)]
+        return [_hits(self.passages, row[row >= 0], srow[row >= 0]) for row, srow in zip(idx, scores)]
+
+    def settings(self) -> dict:
+        """What `load` needs to rebuild this retriever around a saved index."""
+        te = self.text_encoder
+        return dict(kind="dense", encoder=te.name, pooling=te.pooling, query_prefix=self.query_prefix,
+                    passage_prefix=self.passage_prefix, max_length=te.max_length, search_params=self.search_params)
 
     def save(self, folder) -> None:
-        """Write `index.faiss` and `dense.json` (encoder, pooling, prefixes, corpus check)."""
+        """Write `index.faiss`, then `dense.json` (encoder, pooling, prefixes, corpus check)."""
         import faiss
 
         os.makedirs(folder, exist_ok=True)
         faiss.write_index(self.index, os.path.join(folder, "index.faiss"))
-        settings = dict(encoder=self.encoder, pooling=self.pooling, query_prefix=self.query_prefix,
-                        passage_prefix=self.passage_prefix, max_length=self.max_length,
-                        num_passages=len(self.passages), ids_sha1=_ids_digest(self.passages))
+        settings = {**self.settings(), **_corpus_record(folder, self.passages)}
         with open(os.path.join(folder, "dense.json"), "w") as f:
             json.dump(settings, f, indent=2)
 
     @classmethod
-    def load(cls, folder, passages: list[Passage], **overrides) -> "DenseRetriever":
+    def load(cls, folder, passages, **overrides) -> "DenseRetriever":
         """Rebuild a retriever saved with `save` over the same passages, in the same order.
-        `overrides` replace saved settings or set others (`device`, `batch_size`, `encoder`)."""
+        `overrides` replace saved settings or set others (`device`, `batch_size`, `mmap`)."""
         with open(os.path.join(folder, "dense.json")) as f:
             settings = json.load(f)
-        if settings.pop("ids_sha1") != _ids_digest(passages) or settings.pop("num_passages") != len(passages):
-            raise ValueError(f"{folder} was built over a different corpus (passage ids or order differ)")
-        settings.update(overrides)
-        return cls(passages, index=os.path.join(folder, "index.faiss"), **settings)
+        _check_corpus(folder, settings, passages)
+        keep = ("encoder", "pooling", "query_prefix", "passage_prefix", "max_length", "search_params")
+        kw = {k: settings[k] for k in keep if k in settings}
+        kw.update(overrides)
+        return cls(passages, index=os.path.join(folder, "index.faiss"), **kw)
 
 
 # ---------------------------------------------------------------------------- HTTP
 
 
 class HTTPRetriever(Retriever):
-    """Client for Search-R1's retrieval server: POST {url}/retrieve with
-    `{"queries", "topk", "return_scores": true}`; reads `{"result": [[{"document": {"id",
-    "contents"}, "score"}, ...], ...]}`, or bare documents (score 0.0) when a server drops
-    the wrapper. Connection errors, timeouts and 5xx/429 answers are retried with
-    exponential backoff (`backoff`, 2·backoff, ...); other failures raise at once."""
+    """Client for Search-R1's retrieval server (or `retrieve.py serve`): POST {url}/retrieve
+    with `{"queries", "topk", "return_scores": true}`, at most `max_queries` queries a request;
+    reads `{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`, or bare
+    documents (score 0.0) when a server drops the wrapper. Connection errors, timeouts and
+    5xx/429 answers are retried with exponential backoff (`backoff`, 2·backoff, ...); other
+    failures raise at once. Every error names the URL."""
 
-    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0):
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0,
+                 max_queries: int = 1024):
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.timeout, self.retries, self.backoff, self.max_queries = timeout, retries, backoff, max_queries
 
     def _post(self, payload: dict) -> dict:
         data = json.dumps(payload).encode("utf-8")
-        cause = None
+        cause, gone, t0 = None, False, time.monotonic()
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -265,27 +348,33 @@ class HTTPRetriever(Retriever):
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     body = resp.read()
             except urllib.error.HTTPError as e:
-                cause = f"HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace')}"
+                cause, gone = f"HTTP {e.code}: {e.read()[:300].decode('utf-8', 'replace')}", False
                 if e.code < 500 and e.code != 429:
                     break  # the request itself is wrong; retrying will not help
                 continue
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                cause = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                cause, gone = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
                 continue
             try:
                 return json.loads(body)
             except json.JSONDecodeError as e:
                 raise RuntimeError(f"retrieval server {self.url} sent invalid JSON ({e.msg}): {body[:200]!r}") from None
-        raise RuntimeError(f"retrieval server {self.url} failed after {attempt + 1} attempt(s): {cause}")
+        hint = (" Is the server running? Start one with `python retrieve.py serve --index INDEX`, or fix the URL."
+                if gone else "")
+        raise RuntimeError(f"retrieval server {self.url} failed after {attempt + 1} attempt(s): {cause} "
+                           f"(gave up after {time.monotonic() - t0:.1f}s).{hint}")
 
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
-        if not queries:
-            return []
-        reply = self._post({"queries": list(queries), "topk": k, "return_scores": True})
-        result = reply.get("result") if isinstance(reply, dict) else None
-        if not isinstance(result, list) or len(result) != len(queries):
-            raise RuntimeError(f"retrieval server {self.url} sent no 'result' list for {len(queries)} queries: {str(reply)[:200]}")
-        return [[_parse_item(item) for item in items[:k]] for items in result]
+        out = []
+        for s in range(0, len(queries), self.max_queries):
+            chunk = list(queries[s:s + self.max_queries])
+            reply = self._post({"queries": chunk, "topk": k, "return_scores": True})
+            result = reply.get("result") if isinstance(reply, dict) else None
+            if not isinstance(result, list) or len(result) != len(chunk):
+                raise RuntimeError(f"retrieval server {self.url} sent no 'result' list for {len(chunk)} queries: "
+                                   f"{str(reply)[:200]}")
+            out += [[_parse_item(item) for item in items[:k]] for items in result]
+        return out
 
 
 def _parse_item(item: dict) -> Hit:
@@ -302,26 +391,62 @@ def _parse_item(item: dict) -> Hit:
 KINDS = ("bm25", "rank_bm25", "dense", "http")
 
 
+def index_kind(folder) -> str | None:
+    """"bm25" or "dense" for a finished index folder, else None."""
+    for kind in ("bm25", "dense"):
+        if os.path.isfile(os.path.join(folder, f"{kind}.json")):
+            return kind
+    return None
+
+
+def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
+    """Open a folder written by `retrieve.py build` (or a retriever's `save`). `corpus`, a
+    path or passages, defaults to the corpus file the folder was built from; `kind`, when
+    given, must match the folder's. Keywords go to the dense retriever (`device`, `mmap`)."""
+    found = index_kind(folder)
+    if found is None:
+        raise FileNotFoundError(f"{folder} is not a finished index folder (no bm25.json or dense.json); "
+                                "build one with `python retrieve.py build`")
+    if kind is not None and kind != found:
+        raise ValueError(f"{folder} holds a {found} index, not a {kind} one")
+    with open(os.path.join(folder, f"{found}.json")) as f:
+        settings = json.load(f)
+    if corpus is None:
+        corpus = settings.get("corpus")
+        if not corpus or not os.path.isfile(corpus):
+            raise FileNotFoundError(f"{folder} was built from corpus {corpus!r}, which is not there; pass the corpus")
+    if isinstance(corpus, (str, os.PathLike)):
+        offsets = os.path.join(folder, "corpus_offsets.npz")
+        same = settings.get("corpus") and os.path.abspath(corpus) == settings["corpus"]
+        passages = open_corpus(corpus, offsets if same else None)
+    else:
+        passages = corpus
+    if found == "bm25":
+        return BM25Retriever.load(folder, passages)
+    return DenseRetriever.load(folder, passages, **kw)
+
+
 def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", index=None, url=None, **kw) -> Retriever:
     """Build a retriever by name. `corpus` is a JSONL path (or a list of Passage) for every
-    kind but "http", which needs `url`. For "dense", `index` may be a folder written by
-    `DenseRetriever.save` (loaded, `encoder` then optional) or a FAISS file; else the corpus
-    is encoded with `encoder`. Other keywords go to the retriever's constructor."""
+    kind but "http", which needs `url`. `index` may be a folder written by `retrieve.py build`
+    (loaded; for "dense", `encoder` then overrides the saved one) or, for "dense", a FAISS
+    file such as Search-R1's e5_Flat.index; else the corpus is indexed now. Other keywords
+    go to the retriever's constructor."""
     if kind not in KINDS:
         raise ValueError(f"unknown retriever kind {kind!r}; valid: {', '.join(KINDS)}")
     if kind == "http":
         if not url:
             raise ValueError("retriever kind 'http' needs url=")
         return HTTPRetriever(url, **kw)
-    if corpus is None:
-        raise ValueError(f"retriever kind {kind!r} needs a corpus")
-    passages = read_corpus(corpus) if isinstance(corpus, (str, os.PathLike)) else list(corpus)
-    if kind in ("bm25", "rank_bm25"):
-        return BM25Retriever(passages, backend="bm25s" if kind == "bm25" else "rank_bm25", **kw)
     if index is not None and os.path.isdir(index):
         if encoder is not None:
             kw["encoder"] = encoder
-        return DenseRetriever.load(index, passages, **kw)
+        return load_index(index, corpus, kind="bm25" if kind == "rank_bm25" else kind, **kw)
+    if corpus is None:
+        raise ValueError(f"retriever kind {kind!r} needs a corpus")
+    passages = open_corpus(corpus) if isinstance(corpus, (str, os.PathLike)) else list(corpus)
+    if kind in ("bm25", "rank_bm25"):
+        return BM25Retriever(passages, backend="bm25s" if kind == "bm25" else "rank_bm25", **kw)
     if encoder is None:
         raise ValueError("retriever kind 'dense' needs encoder= (or index= a saved folder)")
     return DenseRetriever(passages, encoder, pooling=pooling, index=index, **kw)

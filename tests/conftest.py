@@ -84,3 +84,31 @@ def tiny_model(tmp_path_factory):
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def save_bag_of_words_bert(texts, folder, hidden: int) -> None:
+    """A random 1-layer BERT and a word-level tokenizer over the words of `texts`, saved as an HF
+    folder. Its position and token-type embeddings are zeroed: in a random BERT they are shared
+    by every text and swamp a mean-pooled embedding, so what is left is a random bag-of-words
+    encoder, which ranks by shared words as a trained encoder roughly would."""
+    import re
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    words = sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]", t.lower())})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=2 * hidden, vocab_size=len(vocab), max_position_embeddings=64))
+    with torch.no_grad():
+        model.embeddings.position_embeddings.weight.zero_()
+        model.embeddings.token_type_embeddings.weight.zero_()
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)

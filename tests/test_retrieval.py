@@ -9,7 +9,7 @@ from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
-from conftest import JSONHandler
+from conftest import JSONHandler, save_bag_of_words_bert
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
@@ -151,33 +151,12 @@ def test_bm25_rejects_unknown_backend_and_empty_corpus():
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
-    """A random 1-layer BERT and a word-level tokenizer over the test vocabulary, saved as an
-    HF folder. Its position and token-type embeddings are zeroed: in a random BERT they are
-    shared by every text and swamp a mean-pooled embedding, so what is left is a random
-    bag-of-words encoder, which ranks by shared words as a trained encoder roughly would."""
-    import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
+    """A random bag-of-words BERT over the test vocabulary (conftest.save_bag_of_words_bert),
+    saved twice: the second name selects E5's prefixes."""
     texts = [p.title + " " + p.text for p in CORPUS] + [q for q, _ in DENSE_QUERIES] + ['" query : passage']
-    words = sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]", t.lower())})
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   cls_token="[CLS]", sep_token="[SEP]")
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256,
-                                 vocab_size=len(vocab), max_position_embeddings=64))
-    with torch.no_grad():
-        model.embeddings.position_embeddings.weight.zero_()
-        model.embeddings.token_type_embeddings.weight.zero_()
     root = tmp_path_factory.mktemp("encoders")
-    for name in ("tiny-bert", "tiny-e5-bert"):  # the second name selects E5's prefixes
-        model.save_pretrained(root / name)
-        fast.save_pretrained(root / name)
+    for name in ("tiny-bert", "tiny-e5-bert"):
+        save_bag_of_words_bert(texts, root / name, hidden=128)
     return root
 
 

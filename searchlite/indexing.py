@@ -1,0 +1,148 @@
+"""Build index folders from a corpus file, streaming: `retrieve.py build` calls these.
+
+    build_bm25_folder("wiki-18.jsonl", "indexes/bm25")
+    build_dense_folder("wiki-18.jsonl", "indexes/e5", "intfloat/e5-base-v2", faiss_index="flat")
+    r = load_index("indexes/e5")                       # searchlite.retrieval
+
+Memory follows the index, not the corpus: the corpus is read in batches through a lazy
+`Corpus` (its line offsets cached in the folder as `corpus_offsets.npz`). A folder is
+finished when its `bm25.json` or `dense.json` exists; it is written last.
+
+Dense builds encode the corpus in shards of `shard_size` passages, each written whole to
+`shards/` and renamed into place, beside a `shards/manifest.json` of the settings. Run the
+same command again after an interruption and it encodes only the missing shards (other
+settings are refused). Then the vectors go into FAISS, inner product over normalised
+vectors (cosine): "flat" is exact (Search-R1's e5_Flat; 4·dim bytes a passage), "hnsw" a
+graph (HNSW32: faster, approximate, flat's size plus ~256 bytes a passage), "ivfpq" an
+inverted file with product quantisation (dim/8 bytes a passage, 1/32 of flat, lossy; trained
+on up to 100k sampled vectors, so it needs 10k passages); any faiss.index_factory string
+also works. The shards are
+deleted once the index is written, unless `keep_shards`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from searchlite.corpus import Corpus
+from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, default_prefixes
+
+FAISS_KINDS = ("flat", "hnsw", "ivfpq")
+SEARCH_PARAMS = {"hnsw": "efSearch=128", "ivfpq": "nprobe=64"}  # recall over speed; change with search_params
+
+
+def _corpus(path, folder) -> Corpus:
+    os.makedirs(folder, exist_ok=True)
+    return Corpus(path, offsets=os.path.join(folder, "corpus_offsets.npz"))
+
+
+def build_bm25_folder(corpus_path, folder, progress: bool = True) -> BM25Retriever:
+    """Index a corpus file with BM25 and save it to `folder`."""
+    r = BM25Retriever(_corpus(corpus_path, folder), progress=progress)
+    r.save(folder)
+    return r
+
+
+def faiss_factory(kind: str, dim: int, n: int) -> str:
+    """The faiss.index_factory string for a kind name (other strings pass through).
+
+    >>> faiss_factory("ivfpq", 768, 21_000_000)
+    'IVF18330,PQ96'
+    """
+    if kind == "flat":
+        return "Flat"
+    if kind == "hnsw":
+        return "HNSW32,Flat"
+    if kind == "ivfpq":
+        if n < 10_000:
+            raise ValueError(f"faiss 'ivfpq' needs at least 10,000 passages to train, the corpus has {n}; "
+                             "use 'flat' or 'hnsw'")
+        nlist = int(min(4 * np.sqrt(n), n // 39))  # faiss wants >= 39 training points per list
+        m = max(d for d in range(1, dim // 8 + 1) if dim % d == 0)  # 8-dim sub-vectors, 1 byte each
+        return f"IVF{nlist},PQ{m}"
+    return kind
+
+
+def _shard_paths(folder, n: int, shard_size: int) -> list[str]:
+    return [os.path.join(folder, "shards", f"{s // shard_size:06d}.npy") for s in range(0, n, shard_size)]
+
+
+def _check_manifest(folder, manifest: dict) -> None:
+    """Write the shard manifest, or refuse to resume shards made with other settings."""
+    path = os.path.join(folder, "shards", "manifest.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = sorted(k for k in manifest.keys() | old.keys() if manifest.get(k) != old.get(k))
+        if diff:
+            raise ValueError(f"{folder}/shards holds a build with other settings ({', '.join(diff)} differ); "
+                             f"use another --out or delete {folder}/shards")
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=2)
+
+
+def encode_shards(corpus: Corpus, folder, enc: TextEncoder, prefix: str, shard_size: int,
+                  progress: bool = True) -> list[str]:
+    """Encode every missing shard; return all shard paths, in order."""
+    from tqdm.auto import tqdm
+
+    paths = _shard_paths(folder, len(corpus), shard_size)
+    done = sum(shard_size if i < len(paths) - 1 else len(corpus) - i * shard_size
+               for i, p in enumerate(paths) if os.path.exists(p))
+    with tqdm(total=len(corpus), initial=done, unit="passage", desc="encoding passages", disable=not progress) as bar:
+        for (start, chunk), path in zip(corpus.batches(shard_size), paths):
+            if os.path.exists(path):
+                continue
+            emb = enc.encode([p.contents for p in chunk], prefix, bar=bar)  # (shard, H)
+            with open(path + ".tmp", "wb") as f:
+                np.save(f, emb)
+            os.replace(path + ".tmp", path)  # a shard is there whole or not at all
+    return paths
+
+
+def _training_sample(paths: list[str], n: int, limit: int = 100_000):
+    step = max(1, -(-n // limit))  # every step-th vector over the whole corpus
+    parts, offset = [], 0
+    for p in paths:
+        x = np.load(p, mmap_mode="r")  # (shard, H)
+        parts.append(np.asarray(x[(-offset) % step::step]))
+        offset += len(x)
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)  # (~n/step, H)
+
+
+def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mean", query_prefix=None,
+                       passage_prefix=None, faiss_index: str = "flat", search_params: str | None = None,
+                       shard_size: int = 50_000, batch_size: int = 64, max_length: int = 256, device: str = "cpu",
+                       keep_shards: bool = False, progress: bool = True) -> DenseRetriever:
+    """Encode a corpus file (resumably, in shards) into a FAISS index saved to `folder`."""
+    import faiss
+
+    corpus = _corpus(corpus_path, folder)
+    enc = TextEncoder(encoder, pooling, batch_size, max_length, device)
+    dq, dp = default_prefixes(encoder)
+    query_prefix = dq if query_prefix is None else query_prefix
+    passage_prefix = dp if passage_prefix is None else passage_prefix
+    _check_manifest(folder, dict(encoder=str(encoder), pooling=pooling, passage_prefix=passage_prefix,
+                                 max_length=max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
+                                 corpus_bytes=corpus.stamp[0], num_passages=len(corpus)))
+    paths = encode_shards(corpus, folder, enc, passage_prefix, shard_size, progress)
+    dim = np.load(paths[0], mmap_mode="r").shape[1]
+    index = faiss.index_factory(dim, faiss_factory(faiss_index, dim, len(corpus)), faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        index.train(_training_sample(paths, len(corpus)))
+    for p in paths:
+        index.add(np.ascontiguousarray(np.load(p), dtype=np.float32))
+    if search_params is None:
+        search_params = SEARCH_PARAMS.get(faiss_index, "")
+    r = DenseRetriever(corpus, enc, query_prefix=query_prefix, passage_prefix=passage_prefix, index=index,
+                       search_params=search_params)
+    r.save(folder)
+    if not keep_shards:
+        shutil.rmtree(os.path.join(folder, "shards"))
+    return r

@@ -1,0 +1,360 @@
+"""Wikipedia-scale retrieval on the toy corpus: the lazy corpus reader, the streaming BM25
+index (against bm25s), sharded dense builds that resume, Search-R1's released corpus +
+faiss file loaded as they are, and the HTTP server (Search-R1 round trip, validation,
+batching, a 32-client load test, schemathesis fuzzing against its own OpenAPI schema)."""
+
+import json
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from conftest import save_bag_of_words_bert
+
+from searchlite.bm25 import BM25Index, tokenize
+from searchlite.config import TOY_DIR
+from searchlite.corpus import Corpus
+from searchlite.data import DataError, Passage, read_corpus
+from searchlite.indexing import build_bm25_folder, build_dense_folder, faiss_factory
+from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, TextEncoder, build_retriever,
+                                  load_index)
+
+TOY = TOY_DIR / "corpus.jsonl"
+QUERIES = ["press founder", "who was born in a city", "poet known for a book on stars", "company based in",
+           "bank headquarters", "zzzz unknown words", "", "engines", "the of and"]  # compared across implementations
+
+
+@pytest.fixture(scope="module")
+def toy_passages():
+    return read_corpus(TOY)
+
+
+# ---------------------------------------------------------------------------- lazy corpus
+
+
+def test_corpus_matches_read_corpus_and_names_bad_lines(tmp_path, toy_passages):
+    c = Corpus(TOY)
+    assert len(c) == len(toy_passages) and list(c) == toy_passages
+    assert c[-1] == toy_passages[-1] and [p for _, b in c.batches(100, start=400) for p in b] == toy_passages[400:]
+    lines = ["\ufeff" + json.dumps({"id": "a", "contents": '"T"\nx'}), "", "  \r",
+             json.dumps({"title": "Quito", "text": "Capital."}), '{"id": "c", "contents": 5}', json.dumps({"text": "end"})]
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(lines), encoding="utf-8")  # BOM, blank lines, no final newline
+    c = Corpus(p)
+    assert len(c) == 4 and c[0] == Passage("a", "T", "x") and c[1] == Passage("3", "Quito", "Capital.")
+    assert c[3] == Passage("5", "", "end")  # a missing id is the 0-based line index, blank lines counted
+    with pytest.raises(DataError, match=re.escape(f"{p}:5: field 'contents' must be a string")):
+        c[2]
+    with pytest.raises(IndexError):
+        c[4]
+    with pytest.raises(DataError, match="gunzip"):
+        Corpus(tmp_path / "c.jsonl.gz")
+
+
+def test_corpus_offsets_cache_follows_the_file(tmp_path):
+    p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
+    p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n')
+    assert len(Corpus(p, offsets=cache)) == 2 and cache.exists()
+    assert len(Corpus(p, offsets=cache)) == 2  # reused
+    p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n{"id": "3", "text": "three"}\n')
+    assert Corpus(p, offsets=cache)[2].id == "3"  # the file changed: scanned again
+
+
+# ---------------------------------------------------------------------------- BM25
+
+
+def test_streaming_bm25_scores_equal_bm25s(toy_passages, tmp_path):
+    import bm25s
+
+    r = build_bm25_folder(TOY, tmp_path / "bm25", progress=False)
+    ref = bm25s.BM25()
+    ref.index(bm25s.tokenize([f"{p.title}\n{p.text}" for p in toy_passages], stopwords="en", show_progress=False),
+              show_progress=False)
+    reopened = bm25s.BM25.load(tmp_path / "bm25")  # our files in bm25s's layout
+    for q in QUERIES:
+        tokens = tokenize([q])[0]
+        if not set(tokens) & set(ref.vocab_dict):  # bm25s cannot score such a query; we answer nothing
+            assert r.search([q], 5) == [[]]
+            continue
+        full = ref.get_scores(tokens)  # (N,)
+        [hits] = r.search([q], k=5)
+        assert [h.score for h in hits] == pytest.approx(sorted(full[full > 0], reverse=True)[:5], rel=1e-5)
+        assert all(full[int(h.id)] == pytest.approx(h.score, rel=1e-5) for h in hits)  # toy ids = line index
+        np.testing.assert_allclose(reopened.get_scores(tokens), full, rtol=1e-5, atol=1e-6)
+
+
+def test_bm25_folder_round_trip_and_corpus_check(tmp_path, toy_passages):
+    build_bm25_folder(TOY, tmp_path / "bm25", progress=False)
+    loaded = load_index(tmp_path / "bm25")  # corpus from the folder, arrays memory-mapped
+    assert isinstance(loaded.passages, Corpus) and isinstance(loaded.index.data, np.memmap)
+    assert loaded.search(QUERIES, 3) == BM25Retriever(toy_passages).search(QUERIES, 3)
+    p = toy_passages[5]  # its own text is the best match for itself
+    assert build_retriever("bm25", str(TOY), index=str(tmp_path / "bm25")).search([p.text], 1)[0][0].id == p.id
+    with pytest.raises(ValueError, match="different corpus"):
+        load_index(tmp_path / "bm25", toy_passages[::-1])
+    with pytest.raises(ValueError, match="holds a bm25 index, not a dense one"):
+        load_index(tmp_path / "bm25", kind="dense")
+    with pytest.raises(FileNotFoundError, match="not a finished index folder"):
+        load_index(tmp_path)
+
+
+# ---------------------------------------------------------------------------- dense
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory, toy_passages):
+    """A random bag-of-words BERT over the toy corpus (conftest.save_bag_of_words_bert), in a
+    folder whose name selects E5's prefixes."""
+    path = tmp_path_factory.mktemp("enc") / "tiny-e5-bert"
+    save_bag_of_words_bert([p.contents for p in toy_passages] + ["query passage"], path, hidden=32)
+    return str(path)
+
+
+def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monkeypatch):
+    full = build_dense_folder(TOY, tmp_path / "full", encoder, shard_size=100, max_length=48, progress=False)
+    calls, real = [], TextEncoder.encode
+
+    def dies_on_third_shard(self, texts, prefix="", bar=None):
+        if len(texts) > 20 and len(calls) == 2:  # passages come a shard at a time; queries are short lists
+            raise KeyboardInterrupt
+        calls.append(len(texts))
+        return real(self, texts, prefix, bar)
+
+    monkeypatch.setattr(TextEncoder, "encode", dies_on_third_shard)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        build_dense_folder(TOY, out, encoder, shard_size=100, max_length=48, progress=False)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["000000.npy", "000001.npy", "manifest.json"]
+    assert not (out / "dense.json").exists()  # unfinished: nothing loads it
+    with pytest.raises(ValueError, match="shard_size"):
+        build_dense_folder(TOY, out, encoder, shard_size=50, max_length=48, progress=False)
+    calls.clear()
+    monkeypatch.setattr(TextEncoder, "encode", lambda self, texts, prefix="", bar=None:
+                        calls.append(len(texts)) or real(self, texts, prefix, bar))
+    resumed = build_dense_folder(TOY, out, encoder, shard_size=100, max_length=48, progress=False)
+    assert calls == [100, 100, 50]  # only the missing shards were encoded
+    assert not (out / "shards").exists()
+    np.testing.assert_allclose(resumed.index.reconstruct_n(0, 450), full.index.reconstruct_n(0, 450), atol=1e-6)
+    loaded = load_index(out)
+    assert (loaded.query_prefix, loaded.passage_prefix) == ("query: ", "passage: ")
+    assert [[h.id for h in hs] for hs in loaded.search(QUERIES, 3)] == [[h.id for h in hs] for hs in full.search(QUERIES, 3)]
+
+
+def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
+    r = build_dense_folder(TOY, tmp_path / "hnsw", encoder, faiss_index="hnsw", max_length=48, progress=False)
+    assert json.loads((tmp_path / "hnsw" / "dense.json").read_text())["search_params"] == "efSearch=128"
+    exact = DenseRetriever(Corpus(TOY), TextEncoder(encoder, max_length=48))
+    agree = [a[0].id == b[0].id for a, b in zip(load_index(tmp_path / "hnsw").search(QUERIES, 1), exact.search(QUERIES, 1))]
+    assert sum(agree) >= len(QUERIES) - 1 and len(r.passages) == 450
+    assert faiss_factory("ivfpq", 384, 14_171) == "IVF363,PQ48" and faiss_factory("IVF64,Flat", 8, 10) == "IVF64,Flat"
+    with pytest.raises(ValueError, match="at least 10,000 passages"):
+        faiss_factory("ivfpq", 384, 450)
+
+
+def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_passages):
+    """wiki-18.jsonl + e5_Flat.index as Search-R1 releases them: vector i is line i, E5
+    prefixes, mean pooling, normalised; written here by transformers and faiss directly."""
+    import faiss
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    corpus = tmp_path / "wiki-18.jsonl"
+    shutil.copy(TOY, corpus)  # the toy corpus is already in wiki-18 form: {"id": "0", "contents": "\"T\"\n..."}
+    tok, model = AutoTokenizer.from_pretrained(encoder), AutoModel.from_pretrained(encoder).eval()
+
+    def embed(texts):
+        batch = tok(texts, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            h = model(**batch).last_hidden_state  # (b, T, H)
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        e = (h * m).sum(1) / m.sum(1)
+        return torch.nn.functional.normalize(e, dim=-1).numpy()  # (b, H)
+
+    lines = [json.loads(line)["contents"] for line in corpus.read_text().splitlines()]
+    vectors = np.concatenate([embed(["passage: " + c for c in lines[s:s + 64]]) for s in range(0, len(lines), 64)])
+    flat = faiss.IndexFlatIP(vectors.shape[1])
+    flat.add(vectors)
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    expected = embed(["query: " + q for q in QUERIES]) @ vectors.T  # (Q, N)
+    for mmap in (False, True):
+        r = build_retriever("dense", str(corpus), encoder=encoder, index=str(tmp_path / "e5_Flat.index"), mmap=mmap)
+        for row, hits in zip(expected, r.search(QUERIES, 3)):
+            assert [h.score for h in hits] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-5)
+            assert all(row[int(h.id)] == pytest.approx(h.score, abs=1e-5) for h in hits)
+            assert all(Passage(h.id, h.title, h.text).contents == lines[int(h.id)] for h in hits)
+    with pytest.raises(ValueError, match="449 passages"):
+        build_retriever("dense", toy_passages[:-1], encoder=encoder, index=str(tmp_path / "e5_Flat.index"))
+
+
+def test_cli_build_and_query(tmp_path, capsys, toy_passages):
+    import retrieve
+
+    p = toy_passages[7]
+    retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--kind", "bm25", "--out", str(tmp_path / "i")])
+    retrieve.main(["query", "--index", str(tmp_path / "i"), "--k", "1", p.text])
+    out = capsys.readouterr().out
+    assert "wrote" in out and "1. [" in out and f"{p.title} (id {p.id})" in out
+    with pytest.raises(SystemExit, match="needs --encoder"):
+        retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--kind", "dense", "--out", str(tmp_path / "d")])
+
+
+# ---------------------------------------------------------------------------- server
+
+
+@contextmanager
+def running(app):
+    """Serve `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class CountingRetriever:
+    """A BM25 retriever that counts `search` calls (how batching shows)."""
+
+    def __init__(self, passages):
+        self.inner, self.calls, self.passages = BM25Retriever(passages), [], passages
+
+    def search(self, queries, k):
+        self.calls.append(len(queries))
+        return self.inner.search(queries, k)
+
+
+@pytest.fixture(scope="module")
+def served(toy_passages):
+    from searchlite.server import make_app
+
+    r = CountingRetriever(toy_passages)
+    with running(make_app(r, max_queries=64, max_query_chars=500, batch_wait=0.005)) as url:
+        yield url, r
+
+
+def _post(url, body: bytes, ctype="application/json"):
+    req = urllib.request.Request(url + "/retrieve", data=body, headers={"Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_search_r1_round_trip(served, toy_passages):
+    url, r = served
+    code, reply = _post(url, json.dumps({"queries": QUERIES[:3], "topk": 2, "return_scores": True}).encode())
+    assert code == 200 and len(reply["result"]) == 3
+    lines = {p.id: p.contents for p in toy_passages}
+    for q, items in zip(QUERIES, reply["result"]):
+        expected = r.inner.search([q], 2)[0]
+        assert [it["document"]["id"] for it in items] == [h.id for h in expected]
+        assert all(it["document"]["contents"] == lines[it["document"]["id"]] for it in items)
+        assert [it["score"] for it in items] == pytest.approx([h.score for h in expected], rel=1e-6)
+    code, bare = _post(url, json.dumps({"queries": QUERIES[:1], "topk": 1, "extra": "ignored"}).encode())
+    assert code == 200 and bare["result"] == [[reply["result"][0][0]["document"]]]  # no scores: bare documents
+    assert HTTPRetriever(url).search(QUERIES, 3) == r.inner.search(QUERIES, 3)
+    code, empty = _post(url, b'{"queries": []}')
+    assert (code, empty) == (200, {"result": []})
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"queries": ["a"], "topk": 101}, "topk: Input should be less than or equal to 100"),
+    ({"queries": ["a"], "topk": 0}, "topk"),
+    ({"queries": ["a"], "topk": "3"}, "topk"),
+    ({"queries": ["a"] * 65}, "queries: List should have at most 64 items"),
+    ({"queries": ["a", "x" * 501]}, "queries.1: String should have at most 500 characters"),
+    ({"queries": "one string"}, "queries"),
+    ({"queries": [3]}, "queries.0"),
+    ({"topk": 3}, "queries: Field required"),
+    ([1, 2], "body"),
+])
+def test_bad_requests_get_422_naming_the_field(served, body, field):
+    code, reply = _post(served[0], json.dumps(body).encode())
+    assert code == 422 and field in reply["detail"], reply
+
+
+def test_malformed_json_and_oversized_body(served):
+    code, reply = _post(served[0], b'{"queries": [')
+    assert code == 422 and "JSON" in reply["detail"]
+    from searchlite.server import make_app
+
+    with running(make_app(BM25Retriever(read_corpus(TOY)[:5]), max_body_bytes=100)) as url:
+        code, reply = _post(url, json.dumps({"queries": ["x" * 200]}).encode())
+    assert code == 413 and "100 bytes" in reply["detail"]
+
+
+def test_concurrent_requests_share_one_search(served):
+    url, r = served
+    r.calls.clear()
+    with ThreadPoolExecutor(16) as pool:
+        out = list(pool.map(lambda q: HTTPRetriever(url).search([q], 2), QUERIES * 4))
+    assert out == [r.inner.search([q], 2) for q in QUERIES * 4]
+    assert sum(r.calls) == len(out) and len(r.calls) < len(out)  # requests were merged
+
+
+def test_load_32_clients_50_requests_each(served):
+    url, r = served
+    pool_queries = [[q] for q in QUERIES] + [QUERIES[i:i + 3] for i in range(len(QUERIES) - 2)]
+    expected = {tuple(qs): r.inner.search(qs, 3) for qs in pool_queries}
+
+    def client(c):
+        http = HTTPRetriever(url, timeout=30, retries=0)
+        for i in range(50):
+            qs = pool_queries[(c * 7 + i) % len(pool_queries)]
+            assert http.search(qs, 3) == expected[tuple(qs)]
+        return 50
+
+    with ThreadPoolExecutor(32) as pool:
+        assert sum(pool.map(client, range(32))) == 1600  # an error in any client re-raises here
+
+
+def test_fuzz_against_own_openapi_schema(served):
+    """schemathesis generates valid and invalid bodies from /openapi.json; no answer is a 5xx
+    and every answer matches the schema (status codes, response bodies)."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.generation.modes import GenerationMode
+
+    url = served[0]
+    with urllib.request.urlopen(url + "/openapi.json") as resp:
+        schema = schemathesis.openapi.from_dict(json.loads(resp.read()))
+    for path, method in (("/retrieve", "POST"), ("/health", "GET")):
+        op = schema[path][method]
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                response = case.call(base_url=url)
+                assert response.status_code < 500, (case.body, response.text)
+                case.validate_response(response)
+
+            if mode is GenerationMode.POSITIVE or method == "POST":
+                check()
+
+
+def test_client_fails_clearly_when_the_server_is_gone(toy_passages):
+    from searchlite.server import make_app
+
+    with running(make_app(BM25Retriever(toy_passages[:5]))) as url:
+        client = HTTPRetriever(url, timeout=2, retries=2, backoff=0.01)
+        assert client.search([toy_passages[0].text], 1)[0]
+    with pytest.raises(RuntimeError, match=re.escape(url + "/retrieve") + r" failed after 3 attempt\(s\).*retrieve.py serve"):
+        client.search([toy_passages[0].text], 1)
