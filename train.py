@@ -4,6 +4,7 @@
     python train.py --preset toy-ppo                 # presets live in configs.toml
     python train.py --preset toy-r1pp                # R1-Searcher++ stage 2 (stage 1: searchlite/r1pp.py)
     python train.py --help                           # every setting, with its meaning
+    torchrun --nproc_per_node 8 train.py --preset P  # several processes: searchlite/distributed.py
 
 The loop, top to bottom: config -> models -> for each step: sample questions -> rollouts
 (Search-R1's Algorithm 1, a question's `group` samples adjacent) -> rewards (exact match,
@@ -11,7 +12,9 @@ or R1-Searcher++'s format + cover-EM + group reward) -> memorization data (R1-Se
 when mem_coef > 0) -> old / reference log-probs (and values) -> advantages -> `ppo_epochs`
 over mini-batches -> log -> checkpoint. The three algorithms differ only where marked
 `if cfg.algo == ...`. All math lives in searchlite/advantages.py and searchlite/losses.py;
-what R1-Searcher++ adds, in searchlite/r1pp.py.
+what R1-Searcher++ adds, in searchlite/r1pp.py. Under torchrun each rank runs this loop on its
+share of the questions; the few lines marked `dist.` split, reduce and gather (how and why:
+searchlite/distributed.py), and rank 0 alone prints and writes files.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
 from searchlite.config import ConfigError, format_config, parse_args, resolve_path, save_config
 from searchlite.data import read_qa
-from searchlite.evaluation import score_qa
+from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
+from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, find_checkpoint, frozen_copy, load_policy, load_tokenizer, load_trainer_state,
                                make_optimizer, pick_device, rng_state, save_checkpoint, set_rng_state)
 from searchlite.protocol import get_protocol
@@ -39,6 +44,7 @@ from searchlite.retrieval import build_retriever
 from searchlite.rewards import exact_match
 from searchlite.rollout import rollout
 from searchlite.sampler import HFSampler
+from searchlite.vllm_sampler import VLLMSampler
 
 
 def micro_batches(n: int, size: int):
@@ -104,14 +110,19 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     their sum equals the mini-batch loss (memory does not grow with the batch). With `mem`
     (R1-Searcher++'s rewritten trajectories) and mem_coef > 0, each step also takes
     mem_coef * L_M over its share of them. Returns lists of per-micro-batch statistics.
+    Under torchrun `ro` is this rank's share and `policy` / `critic` the DDP or FSDP2 modules:
+    a mini-batch is every rank's share of it, and the losses are normalised over all of them.
     """
     stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": [], "mem_loss": []}
-    minis = micro_batches(len(ro), cfg.mini_batch_size)
-    use_mem = mem is not None and cfg.mem_coef > 0
-    mem_shares = [t.tolist() for t in torch.tensor_split(torch.arange(len(mem)), len(minis))] if use_mem else []
+    minis = micro_batches(len(ro), cfg.mini_batch_size // dist.world())  # mini_batch_size counts all ranks' rows
+    use_mem = cfg.mem_coef > 0 and dist.all_max(int(mem is not None)) > 0  # torchrun: some rank has rewrites
+    n_mem = len(mem) if mem is not None else 0
+    mem_shares = [t.tolist() for t in torch.tensor_split(torch.arange(n_mem), len(minis))] if use_mem else []
     for _ in range(cfg.ppo_epochs):
         for j, mini in enumerate(minis):
-            n_tok = max(1.0, float(ro.loss_mask[mini].sum()))
+            # token_mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
+            # gradients, so each rank divides by all ranks' token count over the world size
+            n_tok = max(1.0, dist.all_sum(float(ro.loss_mask[mini].sum()))) / dist.world()
             for rows in micro_batches(len(mini), cfg.micro_batch_size):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
@@ -142,10 +153,11 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                     check_finite(step + 1, value_loss=vf)
                     (vf * weight).backward()
                     stats["vf_loss"].append(vf.item() * weight)
-            if use_mem and mem_shares[j]:  # R1-Searcher++ §4.2.2: + mu * L_M (searchlite/r1pp.py)
+            if use_mem:  # R1-Searcher++ §4.2.2: + mu * L_M (searchlite/r1pp.py)
                 lm_loss = memorization_backward(policy, mem, mem_shares[j], cfg.mem_coef, cfg.micro_batch_size, device)
-                check_finite(step + 1, mem_loss=lm_loss)
-                stats["mem_loss"].append(lm_loss)
+                if lm_loss is not None:  # None: no rewrite in this mini-batch (on any rank)
+                    check_finite(step + 1, mem_loss=lm_loss)
+                    stats["mem_loss"].append(lm_loss)
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
             opt.step()
@@ -161,14 +173,20 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     try:
         cfg = parse_args(argv)
+        check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if cfg.reward not in ("em", "r1pp"):
         sys.exit(f"error: unknown --reward {cfg.reward!r} (valid: em, r1pp)")
     out = Path(cfg.out_dir)
-    print(f"config:\n{format_config(cfg)}", flush=True)
-    save_config(cfg, out / "config.json")
-    device = pick_device(cfg.device)
+    device = dist.init(pick_device(cfg.device))  # torchrun: join the process group; on GPU, cuda:LOCAL_RANK
+    try:
+        dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if dist.is_main():  # under torchrun, rank 0 prints and writes every file
+        print(f"config:\n{format_config(cfg)}", flush=True)
+        save_config(cfg, out / "config.json")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -176,18 +194,34 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ models, data, retriever
     ckpt = find_checkpoint(out) if cfg.resume else None  # resume: weights from the checkpoint, the rest below
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    policy = load_policy(str(ckpt / "policy") if ckpt else cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
+    if cfg.lora_rank:  # the base model + a LoRA adapter: a new one, or the checkpoint's on resume
+        policy = add_lora(load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing), cfg.lora_rank,
+                          cfg.lora_alpha, cfg.lora_targets, adapter=ckpt / "policy" if ckpt else None)
+    else:
+        policy = load_policy(str(ckpt / "policy") if ckpt else cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
     ref = None
     if cfg.kl_coef > 0:  # the reference is always the starting model, also after a resume
-        ref = frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
+        if cfg.lora_rank:  # the base model is the policy with its adapters disabled: no second copy
+            ref = LoRAReference(policy)
+        elif cfg.ref_offload:  # kept in CPU memory; it visits the device only to score
+            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, "cpu"))
+        else:
+            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
     critic = None
     if cfg.algo == "ppo":
         critic = Critic.from_pretrained(str(ckpt / "critic") if ckpt else cfg.model, cfg.dtype, device,
                                         cfg.grad_checkpointing)
-    opt, sched = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps)
+    # torchrun (searchlite/distributed.py): FSDP2 shards policy, critic and reference in place; DDP wraps
+    # the trained models. update() trains through train_policy / train_critic; the rest uses the modules.
+    parallel = dist.choose_parallel(policy, cfg.parallel)
+    train_policy, train_critic = dist.wrap_model(policy, parallel, device), dist.wrap_model(critic, parallel, device)
+    if ref is not None and not (cfg.lora_rank or cfg.ref_offload):  # a LoRA reference is the policy itself
+        dist.wrap_model(ref, parallel, device)
+    opt, sched = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.optimizer)
     critic_opt = critic_sched = None
     if critic is not None:
-        critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay, cfg.warmup_steps)
+        critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay,
+                                                  cfg.critic_warmup_steps, cfg.optimizer)
     train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
@@ -195,55 +229,73 @@ def main(argv=None) -> None:
                                 encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
                                 url=cfg.retriever_url or None)
     protocol = get_protocol(cfg.protocol, cfg.template)
-    if cfg.sampler != "hf":
-        sys.exit(f"error: --sampler {cfg.sampler!r} is not available; this version has only 'hf' (the vLLM "
-                 "sampler is not written yet)")
-    sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    rank_seed = cfg.seed + 1_000_003 * dist.rank()  # each rank samples its own stream; rank 0's is cfg.seed
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=rank_seed,
+                    batch_size=cfg.gen_batch_size)
+    if cfg.sampler == "hf":
+        sampler = HFSampler(policy, tokenizer, **sampling)
+    elif cfg.sampler == "vllm":  # vLLM in this process, built from the starting model, then given the policy's weights
+        sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
+        with dist.gathered(policy):
+            sampler.push_weights(policy)  # a resumed or LoRA policy is not cfg.model's weights
+    else:
+        sys.exit(f"error: unknown --sampler {cfg.sampler!r} (valid: hf, vllm)")
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                       chat_template=cfg.chat_template)
     rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)
     if cfg.mem_coef > 0:
-        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
+        fresh = ckpt or dist.is_sharded(policy)  # (a sharded policy cannot be copied)
+        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy)
         rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, seed=cfg.seed + 7919, batch_size=cfg.gen_batch_size)  # its own seeds
+                             top_p=cfg.top_p, seed=rank_seed + 7919, batch_size=cfg.gen_batch_size)  # its own seeds
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 
     def evaluate(step: int) -> dict:
-        metrics, _ = score_qa(sampler, retriever, tokenizer, protocol, test_qa, batch_size=64, **rollout_kw)
+        with dist.gathered(policy):  # torchrun: each rank answers its share of the test questions
+            _, records = score_qa(sampler, retriever, tokenizer, protocol, dist.shard(test_qa, even=False),
+                                  batch_size=64, progress=dist.is_main(), **rollout_kw)
+        metrics = summarize([r for part in dist.gather_objects(records) for r in part])
         line = "  ".join(f"{k}: em {v['em']:.3f} searches {v['searches']:.2f}" for k, v in metrics.items())
-        print(f"eval step {step}  {line}", flush=True)
+        if dist.is_main():
+            print(f"eval step {step}  {line}", flush=True)
         return metrics
 
     start = 0
     if ckpt is not None:
         state = load_trainer_state(ckpt)
-        opt.load_state_dict(state["opt"])
+        dist.load_optimizer_state(policy, opt, state["opt"])
         sched.load_state_dict(state["sched"])
         if critic is not None:
-            critic_opt.load_state_dict(state["critic_opt"])
+            dist.load_optimizer_state(critic, critic_opt, state["critic_opt"])
             critic_sched.load_state_dict(state["critic_sched"])
-        sampler.load_state_dict(state["sampler"])
+        sampler.load_state_dict(dist.this_rank(state["sampler"]))  # per-rank states: see the checkpoint below
         if rewriter is not None:
-            rewriter.load_state_dict(state["rewriter"])
-        set_rng_state(state["rng"])
+            rewriter.load_state_dict(dist.this_rank(state["rewriter"]))
+        set_rng_state(dist.this_rank(state["rng"]))
         start = state["step"]
-        print(f"resumed from {ckpt} at step {start}", flush=True)
-    elif cfg.resume:
+        if dist.is_main():
+            print(f"resumed from {ckpt} at step {start}", flush=True)
+    elif cfg.resume and dist.is_main():
         print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
-    metrics_file = open(out / "metrics.jsonl", "a")
+    metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None
     if start == 0:
-        metrics_file.write(json.dumps({"step": 0, **{f"eval/{k}": v for k, v in evaluate(0).items()}}) + "\n")
-        metrics_file.flush()
+        row = {"step": 0, **{f"eval/{k}": v for k, v in evaluate(0).items()}}
+        if dist.is_main():
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
 
     for step in range(start, cfg.steps):
         t0 = time.time()
         # -------------------------------------------------------------- rollouts
-        questions = [q for q in batch_questions(train_qa, step, cfg.batch_size, cfg.seed) for _ in range(cfg.group)]
+        # torchrun: each rank rolls out its share of the questions, a question's group whole on one rank
+        questions = [q for q in dist.shard(batch_questions(train_qa, step, cfg.batch_size, cfg.seed))
+                     for _ in range(cfg.group)]
         policy.eval()
-        ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
-                     mask_retrieved=cfg.mask_retrieved, progress=True, **rollout_kw)
+        with dist.gathered(policy):
+            ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
+                         mask_retrieved=cfg.mask_retrieved, progress=dist.is_main(), **rollout_kw)
         t_rollout = time.time() - t0
+        sampler.release()  # vLLM frees its KV cache while the trainer works (GPU sleep mode); HFSampler: nothing
 
         # -------------------------------------------------------------- rewards
         em = compute_rewards(ro, questions)  # (N,) exact match: Search-R1's reward, and logged for every run
@@ -258,14 +310,16 @@ def main(argv=None) -> None:
         # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
         mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
         if rewriter is not None:
-            mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
-                                                cfg.chat_template)
+            with dist.gathered(rewriter.model), on_device(rewriter.model, device, cfg.ref_offload):
+                mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
+                                                    cfg.chat_template)
 
         # -------------------------------------------------------------- old / reference log-probs, values
         mask = ro.loss_mask.float()  # (N, T)
         old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)  # (N, T)
-        ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
-                    if ref is not None else old_logp)
+        with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
+            ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
+                        if ref is not None else old_logp)
         kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
 
         # -------------------------------------------------------------- advantages
@@ -274,46 +328,51 @@ def main(argv=None) -> None:
             old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
             rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
             adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, T)
-        elif cfg.algo == "grpo":
-            adv = broadcast(group_advantages(scores, cfg.group), mask)  # (N, T)
+        elif cfg.algo == "grpo":  # torchrun: all ranks' scores, as group = 1's baseline is the whole batch's mean
+            adv = broadcast(dist.local_rows(group_advantages(dist.gather_rows(scores), cfg.group)), mask)  # (N, T)
         elif cfg.algo == "reinforce_pp":
-            adv = reinforce_pp_advantages(scores, kl_tok, mask, cfg.kl_coef, cfg.gamma)  # (N, T)
+            adv = reinforce_pp_advantages(scores, kl_tok, mask, cfg.kl_coef, cfg.gamma, whiten=dist.masked_whiten)
         else:
             sys.exit(f"error: unknown --algo {cfg.algo!r} (valid: grpo, ppo, reinforce_pp)")
 
         # -------------------------------------------------------------- update
         policy.train()
-        stats = update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret,
-                       mem)
+        stats = update(cfg, step, train_policy, opt, ro, old_logp, ref_logp, adv, device, train_critic, critic_opt,
+                       old_values, ret, mem)
         sched.step()
         if critic is not None:
             critic_sched.step()
-        sampler.push_weights(policy)
+        t1 = time.time()
+        with dist.gathered(policy):
+            sampler.push_weights(policy)  # vLLM: copy the new weights in; HFSampler generates with policy itself
+        t_push = time.time() - t1
 
         # -------------------------------------------------------------- log
-        n_mini = cfg.ppo_epochs * len(micro_batches(len(ro), cfg.mini_batch_size))
+        # means over all ranks' trajectories; rank-summed loss statistics (normalised as in update())
+        n_mini = len(stats["grad_norm"])  # optimizer steps
         row = {
-            "step": step + 1, "reward": float(scores.mean()), "em": float(em.mean()),
-            **{f"r_{k}": float(v.float().mean()) for k, v in terms.items()},
-            "searches": float(ro.searches.float().mean()), "turns": float(ro.turns.float().mean()),
-            "answered": float(ro.answered.float().mean()),
-            "response_len": float(ro.loss_mask.sum(1).float().mean()),
-            **{k: sum(v) / n_mini for k, v in stats.items() if v and k not in ("grad_norm", "mem_loss")},
+            "step": step + 1, "reward": dist.mean(scores), "em": dist.mean(em),
+            **{f"r_{k}": dist.mean(v) for k, v in terms.items()},
+            "searches": dist.mean(ro.searches), "turns": dist.mean(ro.turns), "answered": dist.mean(ro.answered),
+            "response_len": dist.mean(ro.loss_mask.sum(1)),
+            **{k: dist.all_mean(sum(v)) / n_mini for k, v in stats.items() if v and k not in ("grad_norm", "mem_loss")},
             "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
-            "t_rollout": t_rollout, "seconds": time.time() - t0,
+            "t_rollout": t_rollout, "t_push": t_push, "seconds": time.time() - t0,
         }
         if rewriter is not None:
-            row |= {"mem_tried": mem_tried, "mem_kept": len(mem) if mem is not None else 0,
-                    "mem_loss": float(np.mean(stats["mem_loss"])) if stats["mem_loss"] else None}
+            n_kept = len(mem) if mem is not None else 0
+            row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
+                    "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} | searches {row['searches']:.2f} "
-              f"| turns {row['turns']:.2f} | len {row['response_len']:5.1f} | kl {row['kl']:.4f} "
-              f"| clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} | lr {row['lr']:.2e} "
-              f"| {row['seconds']:.1f}s", flush=True)
-        if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0:
+        if dist.is_main():
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
+                  f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "
+                  f"| kl {row['kl']:.4f} | clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} | lr {row['lr']:.2e} "
+                  f"| {row['seconds']:.1f}s", flush=True)
+        if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0 and dist.is_main():
             from searchlite.view import write_html
 
             write_html(out / "trajectories" / f"step{step + 1:05d}.html", ro, tokenizer, scores.tolist(),
@@ -324,14 +383,24 @@ def main(argv=None) -> None:
 
         # -------------------------------------------------------------- checkpoint
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            state = {"step": step + 1, "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": rng_state(),
-                     "sampler": sampler.state_dict(), "config": vars(cfg)}
+            # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
+            # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
+            state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
+                     "rng": dist.per_rank(rng_state()), "sampler": dist.per_rank(sampler.state_dict()),
+                     "config": vars(cfg)}
             if critic is not None:
-                state |= {"critic_opt": critic_opt.state_dict(), "critic_sched": critic_sched.state_dict()}
+                state |= {"critic_opt": dist.optimizer_state(critic, critic_opt),
+                          "critic_sched": critic_sched.state_dict()}
             if rewriter is not None:
-                state["rewriter"] = rewriter.state_dict()
-            save_checkpoint(out, policy, tokenizer, state, critic)
-    metrics_file.close()
+                state["rewriter"] = dist.per_rank(rewriter.state_dict())
+            policy_weights, critic_weights = dist.full_state_dict(policy), dist.full_state_dict(critic)
+            if dist.is_main():
+                save_checkpoint(out, policy, tokenizer, state, critic, policy_weights, critic_weights)
+            dist.barrier()
+    if dist.is_main():
+        metrics_file.close()
+    sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed
+    dist.close()
 
 
 if __name__ == "__main__":

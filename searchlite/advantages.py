@@ -136,15 +136,18 @@ def ppo_token_rewards(scores, kl, loss_mask, kl_coef: float):
 
 
 @torch.no_grad()
-def reinforce_pp_advantages(scores, kl, loss_mask, kl_coef: float, gamma: float = 1.0, eps: float = 1e-8):
+def reinforce_pp_advantages(scores, kl, loss_mask, kl_coef: float, gamma: float = 1.0, eps: float = 1e-8,
+                            whiten=masked_whiten):
     """REINFORCE++ advantages (R1-Searcher++ eq. 1-2; OpenRLHF), (B, T).
 
     r_t = -kl_coef * kl_t on policy tokens, plus the trajectory's score (B,) on its last
     policy token (eq. 1); G_t = r_t + gamma * G_next, the return-to-go over policy tokens
     only; then whitened over every policy token of the whole batch (eq. 2): masked mean
-    and population std, as OpenRLHF does. No critic, no group baseline.
+    and population std, as OpenRLHF does. No critic, no group baseline. `whiten` is
+    `losses.masked_whiten`; under torchrun, `distributed.masked_whiten`, whose mean and std
+    span the tokens of every rank's share of the batch.
     """
     rewards = ppo_token_rewards(scores, kl, loss_mask, kl_coef)  # (B, T)
     # With V = 0 and lam = 1, GAE's advantage is exactly the masked return-to-go.
     ret, _ = gae(rewards, torch.zeros_like(rewards), loss_mask, gamma=gamma, lam=1.0)  # (B, T)
-    return masked_whiten(ret, loss_mask, eps=eps)
+    return whiten(ret, loss_mask, eps=eps)

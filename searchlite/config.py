@@ -42,6 +42,7 @@ class Config:
     out_dir: str = ""  # folder for config.json, metrics.jsonl, checkpoint, trajectories; empty = runs/<preset>-<algo>
     seed: int = 0  # seeds data order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu" or "cuda"
+    parallel: str = "auto"  # under torchrun: ddp | fsdp (FSDP2) | auto (FSDP2 from 1B trained parameters, else DDP)
     steps: int = 1005  # RL steps (one step = one batch of questions rolled out and trained on)
     resume: bool = False  # continue from the latest checkpoint in out_dir
     # --- model
@@ -69,7 +70,7 @@ class Config:
     max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends when reached
     temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts
-    sampler: str = "hf"  # hf (transformers generate); the only one so far
+    sampler: str = "hf"  # hf (transformers generate) | vllm (vLLM in this process, weights pushed after each update; ./setup.sh vllm)
     gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
     mask_retrieved: bool = True  # retrieved tokens get loss_mask 0; false is Search-R1 Table 4's ablation
     # --- algorithm
@@ -78,7 +79,8 @@ class Config:
     batch_size: int = 512  # questions per step
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)
-    warmup_steps: int = 0  # linear learning-rate warm-up
+    warmup_steps: int = 0  # policy learning-rate linear warm-up, in steps (Search-R1: 0.285 x steps)
+    critic_warmup_steps: int = 0  # critic learning-rate linear warm-up, in steps (PPO; Search-R1: 0.015 x steps)
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     clip_eps: float = 0.2  # PPO ratio clip
@@ -92,6 +94,12 @@ class Config:
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
     loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory
+    # --- memory levers (searchlite/memory.py)
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes AdamW, its two states per weight stored in 8 bits)
+    lora_rank: int = 0  # LoRA adapter rank (peft); 0 = train every weight. The reference is then the base, adapters off
+    lora_alpha: float = 32.0  # LoRA scale: the adapter update is multiplied by lora_alpha / lora_rank
+    lora_targets: str = "all-linear"  # modules that get adapters: comma-separated names (q_proj,v_proj) or all-linear
+    ref_offload: bool = False  # keep the reference model in CPU memory; it visits the device only to score
     # --- rewards and R1-Searcher++ (arXiv 2505.17005; searchlite/r1pp.py)
     reward: str = "em"  # em (Search-R1: exact match) | r1pp (R1-Searcher++ §4.2.1: format + cover-EM + group reward)
     group_reward: bool = True  # r1pp reward: R_group = min(2 sigma^2, eta) to the correct rollout(s) with fewest searches

@@ -13,7 +13,8 @@ transformers and vLLM unchanged) with the trainer state beside them:
 
 A checkpoint is written to `checkpoint.tmp` and renamed into place, so an interrupted save
 never leaves a half-written checkpoint where the last good one was.
-Left out on purpose: sharded (FSDP) checkpoints; see the scale issue.
+Under torchrun with FSDP2, rank 0 writes the same folders from gathered full weights
+(searchlite/distributed.py). Left out on purpose: sharded (DCP) checkpoints.
 """
 
 from __future__ import annotations
@@ -49,9 +50,16 @@ def load_tokenizer(path: str):
 
 
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
+    """A causal LM from a Hugging Face folder or hub name; a LoRA run's checkpoint folder (an
+    adapter) loads as its base model with the adapter merged in (searchlite/memory.py)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[dtype]).to(device)
+    if (Path(resolve_path(path)) / "adapter_config.json").is_file():
+        from .memory import load_merged
+
+        model = load_merged(resolve_path(path), DTYPES[dtype]).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[dtype]).to(device)
     if grad_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -93,15 +101,25 @@ class Critic(nn.Module):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
-    def save_pretrained(self, folder: Path) -> None:
-        self.backbone.save_pretrained(folder)
-        torch.save(self.value_head.state_dict(), Path(folder) / "value_head.pt")
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
+        """`state_dict` (keys as in self.state_dict()), when given, is saved instead of the module's
+        own weights: FSDP2's gathered ones under torchrun (searchlite/distributed.py)."""
+        if state_dict is None:
+            self.backbone.save_pretrained(folder)
+            torch.save(self.value_head.state_dict(), Path(folder) / "value_head.pt")
+            return
+        part = lambda prefix: {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}  # noqa: E731
+        self.backbone.save_pretrained(folder, state_dict=part("backbone."))
+        torch.save(part("value_head."), Path(folder) / "value_head.pt")
 
 
-def make_optimizer(params, lr: float, weight_decay: float, warmup_steps: int):
-    """AdamW with a linear warm-up to `lr`, then constant (Search-R1's schedule)."""
+def make_optimizer(params, lr: float, weight_decay: float, warmup_steps: int, kind: str = "adamw"):
+    """AdamW (`kind` "adamw", or "adamw8bit": bitsandbytes' 8-bit states, searchlite/memory.py)
+    over the trainable `params`, with a linear warm-up to `lr`, then constant (Search-R1's schedule)."""
+    from .memory import make_adamw
+
     params = [p for p in params if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    opt = make_adamw(params, kind, lr, weight_decay)
     warm = max(1, warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     return opt, sched
@@ -120,15 +138,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None) -> Path:
-    """Write out_dir/checkpoint atomically (temporary folder, then rename) and return its path."""
+def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None,
+                    policy_weights: dict | None = None, critic_weights: dict | None = None) -> Path:
+    """Write out_dir/checkpoint atomically (temporary folder, then rename) and return its path.
+    `policy_weights` / `critic_weights`: full state dicts to write instead of the modules' own
+    (FSDP2 shards them; searchlite/distributed.py gathers them to rank 0)."""
     out_dir = Path(out_dir)
     final, tmp, old = out_dir / "checkpoint", out_dir / "checkpoint.tmp", out_dir / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "policy")
+    policy.save_pretrained(tmp / "policy", state_dict=policy_weights)
     tokenizer.save_pretrained(tmp / "policy")
     if critic is not None:
-        critic.save_pretrained(tmp / "critic")
+        critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
     torch.save(trainer_state, tmp / "trainer.pt")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from . import distributed as dist
 from .evaluation import encode_text, fill
 from .protocol import template_path
 from .rewards import cover_exact_match, format_reward, group_reward
@@ -158,21 +159,35 @@ def memorization_batch(sampler, tokenizer, protocol, template: str, ro, question
     return mem, len(rows)
 
 
-def memorization_backward(policy, mem: Rollout, rows: list[int], coef: float, micro_batch_size: int,
-                          device) -> float:
-    """Accumulate the gradient of coef * L_M over trajectories `rows` of `mem`; return L_M.
+def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: float, micro_batch_size: int,
+                          device) -> float | None:
+    """Accumulate the gradient of coef * L_M over trajectories `rows` of `mem`; return L_M
+    (None when there were no rows to learn from).
 
     L_M is the mean NLL over all their response tokens (token mean, R1-Searcher++ §4.2.2), from
     the raw logits: it is a likelihood, not the sampling distribution. Micro-batches are
     weighted by their token share, so the sum of their gradients is that of L_M.
+    Under torchrun (searchlite/distributed.py) L_M spans every rank's `rows`: the token count is
+    summed over ranks and divided by the world size (DDP and FSDP2 average gradients), and a
+    rank with fewer micro-batches than another, or no rewrites at all (`mem` None), runs
+    zero-weight passes, because every rank must run as many backward passes as the others.
     """
-    n_tok = max(1.0, float(mem.loss_mask[rows].sum()))
-    size = micro_batch_size or len(rows)
+    rows = rows if mem is not None else []
+    n_tok = max(1.0, dist.all_sum(float(mem.loss_mask[rows].sum()) if rows else 0.0)) / dist.world()
+    size = micro_batch_size or len(rows) or 1
+    chunks = [rows[s:s + size] for s in range(0, len(rows), size)]
+    passes = dist.all_max(len(chunks))
+    if passes == 0:
+        return None
     total = 0.0
-    for s in range(0, len(rows), size):
-        chunk = rows[s:s + size]
-        width = int(mem.attention_mask[chunk].sum(1).max())
-        ids, attn, lm = (x[chunk, :width].to(device) for x in (mem.input_ids, mem.attention_mask, mem.loss_mask))
+    for k in range(passes):
+        if k < len(chunks):
+            chunk = chunks[k]
+            width = int(mem.attention_mask[chunk].sum(1).max())
+            ids, attn, lm = (x[chunk, :width].to(device) for x in (mem.input_ids, mem.attention_mask, mem.loss_mask))
+        else:  # a pass with nothing to learn: two tokens, loss mask 0, so a zero gradient
+            ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # (1, 2)
+            attn, lm = torch.ones_like(ids), torch.zeros_like(ids)  # (1, 2)
         nll = sft_loss(policy, ids, lm, attn)  # token mean over this micro-batch
         weight = float(lm.sum()) / n_tok
         (coef * weight * nll).backward()

@@ -7,7 +7,9 @@ One interface, so the rollout does not care who generates:
 Each returned list holds exactly the ids the model sampled for that prompt, up to and
 including the first stop string or EOS (nothing is decoded and re-encoded). `HFSampler`
 runs transformers' `generate` on the training policy itself (left padding, temperature /
-top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process.
+top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process. The
+trainer calls `release()` after a rollout, `push_weights(policy)` after the update and
+`close()` at the end.
 
 Seeding: sampling call number `n` of a sampler seeded with `s` runs under
 `torch.manual_seed(s + n)` inside `fork_rng`, so a rollout is reproducible, does not disturb
@@ -65,9 +67,15 @@ class HFSampler:
     def load_state_dict(self, state: dict) -> None:
         self.calls = state["calls"]
 
+    def release(self) -> None:
+        """Nothing to free: HFSampler keeps no memory between calls (VLLMSampler frees its KV cache)."""
+
     def push_weights(self, model) -> None:
         """Nothing to copy: HFSampler generates with the training module itself."""
         self.model = model
+
+    def close(self) -> None:
+        """Nothing to shut down (VLLMSampler stops its engine)."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,

