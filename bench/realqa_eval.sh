@@ -5,6 +5,7 @@
 #
 #   bash bench/realqa_eval.sh                 # the full table (hours on a 2-core CPU, minutes on a GPU)
 #   bash bench/realqa_eval.sh --limit 5       # a smoke test; any flag is passed on to evaluate.py
+#   bash bench/realqa_eval.sh --sampler vllm --batch_size 32   # vLLM (./setup.sh vllm): ~5x faster on a CPU
 #
 # Resumable: rerun the same command after an interruption and it continues where it stopped
 # (a --limit run's questions are kept and counted by the full run). Every method gets a few-shot
