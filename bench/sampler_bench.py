@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7, the toy preset's)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both samplers (default: torch's own)")
+    ap.add_argument("--eager", action="store_true", help="vLLM in eager mode (default: compiled, slower start)")
+    ap.add_argument("--max_step_tokens", type=int, default=0, help="vLLM tokens per engine step (0: vLLM's default)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -65,7 +67,7 @@ def main() -> None:
     sampling = dict(max_new_tokens=64, temperature=args.temperature, seed=args.seed)
     tok, policy = load_tokenizer(args.model), load_policy(args.model).eval()
     t0 = time.perf_counter()
-    vllm = VLLMSampler(args.model, **sampling)
+    vllm = VLLMSampler(args.model, eager=args.eager, max_step_tokens=args.max_step_tokens or None, **sampling)
     print(f"vLLM engine started in {time.perf_counter() - t0:.1f}s")
     vllm.push_weights(policy)
     if args.threads:

@@ -27,6 +27,9 @@ left alone. Greedy calls shift no later seed.
 Sleep mode (KV cache and weights released while training) exists only on GPUs: `release()`
 puts the engine to sleep at level 2 there, and `push_weights` wakes it; on a CPU it does
 nothing and says so once.
+The model is compiled (torch.compile, vLLM's default; `eager=True` skips it): on a CPU that
+costs ~20-40 s at start-up and makes rollouts of the toy model 2-3x faster than eager mode,
+whose per-step Python overhead dominates with so small a model (bench/sampler_bench.py).
 Left out on purpose: vLLM's own multiprocessing, tensor parallelism inside one sampler
 (one sampler per rank), LoRA adapters inside vLLM (merge them before pushing).
 """
@@ -105,7 +108,7 @@ class VLLMSampler:
     def __init__(self, model: str, tokenizer: str | None = None, *, max_new_tokens: int = 500,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 0,
                  dtype: str = "float32", max_model_len: int | None = None, gpu_memory_utilization: float = 0.4,
-                 cpu_kv_cache_gib: float = 1.0):
+                 cpu_kv_cache_gib: float = 1.0, eager: bool = False, max_step_tokens: int | None = None):
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
@@ -124,7 +127,8 @@ class VLLMSampler:
         with torch.random.fork_rng(), _kernel_scan_guard(self.on_cpu):  # the engine seeds torch's RNGs: keep ours
             self.llm = vllm.LLM(model=resolve_path(model), tokenizer=resolve_path(tokenizer or model), dtype=dtype,
                                 seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-                                enforce_eager=self.on_cpu, max_num_seqs=batch_size or None, **memory)
+                                enforce_eager=eager, max_num_seqs=batch_size or None,
+                                max_num_batched_tokens=max_step_tokens, **memory)
         torch.set_num_threads = set_num_threads
         # after the start-up report, keep vLLM to warnings: each push would log three lines, one of them a
         # warning that the rotary embedding (a buffer, no weights) "failed to load"
