@@ -239,7 +239,7 @@ def parse_args(argv=None):
     a("--dtype", default="float32", help="float32 | bfloat16 | float16")
     a("--device", default="auto", help="auto | cpu | cuda")
     a("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
-    a("--sampler", default="hf", help="hf (transformers generate) | vllm (an in-process vLLM engine: much faster "
+    a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process vLLM engine: much faster "
       "for large batches; install with ./setup.sh vllm)")
     a("--retriever", default="bm25", help="bm25 | rank_bm25 | dense | http")
     a("--corpus", default="toy/corpus.jsonl", help="passages JSONL for an in-process retriever")
@@ -308,8 +308,6 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         setup = settings(args, source, protocol, prompts)
         check_settings(out, setup, args.overwrite)
-        if args.sampler not in ("hf", "vllm"):
-            raise EvalError(f"unknown --sampler {args.sampler!r} (valid: hf, vllm)")
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here
             from searchlite.vllm_sampler import VLLMSampler

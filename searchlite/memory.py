@@ -219,7 +219,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    model = load_merged(args.adapter, getattr(torch, args.dtype), args.base)
+    from .models import DTYPES
+
+    model = load_merged(args.adapter, DTYPES[args.dtype], args.base)
     model.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(args.adapter).save_pretrained(args.out)
     print(f"merged {args.adapter} into {model.config.name_or_path or args.base} -> {args.out}")
