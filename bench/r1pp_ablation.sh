@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its ablations (the paper's
 # Table 2) and plain REINFORCE++ with the EM reward, each from the same stage-1 model. About
-# 12 minutes a run on 2 CPU cores (stage 1: 25-50 more). Rerunning skips a finished stage 1.
+# 13 minutes a run on one CPU core (stage 1: ~9 more). Rerunning skips a finished stage 1.
 #
 #   bash bench/r1pp_ablation.sh        # writes runs/r1pp-{full,nogroup,nomem,neither,baseline}
 #
 # Each run's test EM and retrieval calls per question (by question type) are in its
-# metrics.jsonl (the last row's eval/ keys) and printed as its last "eval step" line.
+# metrics.jsonl (the last row's eval/ keys); bench/r1pp_table.py prints them as a table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -17,3 +17,4 @@ run nogroup --group_reward false
 run nomem --mem_coef 0
 run neither --group_reward false --mem_coef 0
 run baseline --reward em --mem_coef 0
+"$PYTHON" bench/r1pp_table.py   # the README's table, and the fewest retrievals the test set allows

@@ -110,6 +110,7 @@ class Config:
     sft_epochs: int = 1  # stage 1: SFT passes over the kept trajectories
     sft_lr: float = 1e-5  # stage 1: SFT peak learning rate (warm-up, then cosine decay)
     sft_batch_size: int = 32  # stage 1: trajectories per SFT step
+    sft_rewrites: int = 0  # stage 1, teacher only: rewrite demonstrations added to the SFT data (r1pp.rewrite_demos)
     # --- logging and evaluation
     log_trajectories_every: int = 10  # write a few whole trajectories (HTML) every N steps; 0 = never
     eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end

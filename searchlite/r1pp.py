@@ -8,7 +8,10 @@ questions under the internal/external protocol, keep the correct, well-formed, d
 (`rejection_sample`), SFT the model on them with retrieved tokens masked (searchlite.sft), and
 save it. The sampler is the model itself (`cold_start_sampler = "policy"`, the paper's way: a
 prompted instruct model) or, in the toy world, whose warm start never saw this protocol, the
-scripted teacher (`"teacher"`), which then plays the prompted model.
+scripted teacher (`"teacher"`), which then plays the prompted model. A prompted instruct model
+can also follow the rewrite prompt below; a toy model cannot without seeing it done, so the
+teacher adds `sft_rewrites` demonstrations (`rewrite_demos`): a kept trajectory's documents in
+the rewrite prompt, answered from memory with that trajectory's (correct) answer.
 
 Stage 2 (§4.2), called by train.py when `reward = "r1pp"` or `mem_coef > 0`:
 - `reward_terms`: R = R_format (0 / -2) + R_answer (cover-EM, 0 past 10 words) + R_group,
@@ -113,6 +116,14 @@ def rewrite_template(protocol, template: str = "") -> str:
     return text.rstrip("\n") + "\n"
 
 
+def rewrite_prompt(tokenizer, protocol, template: str, question: str, docs, chat_template: bool = True) -> list[int]:
+    """Prompt ids asking to answer `question` from memory, with the passages `docs` (each once, in
+    first-seen order) in context."""
+    docs = list({h.id: h for h in docs}.values())
+    text = fill(template, question=question.strip(), documents=protocol.format_passages(docs).rstrip("\n"))
+    return encode_text(tokenizer, text, chat_template)
+
+
 def keep_rewrite(text: str, golds, protocol) -> bool:
     """A rewrite is kept when it answers correctly and well formed, from "memory" alone: at least
     one internal answer, no search call or result, no word giving away that documents were shown."""
@@ -140,12 +151,8 @@ def memorization_batch(sampler, tokenizer, protocol, template: str, ro, question
             if ro.docs[i] and is_correct(ro.responses[i], ro.answers[i], questions[i].answers, protocol)]
     if not rows:
         return None, 0
-    prompts = []
-    for i in rows:
-        docs = list({h.id: h for h in ro.docs[i]}.values())  # each passage once, first-seen order
-        text = fill(template, question=questions[i].question.strip(),
-                    documents=protocol.format_passages(docs).rstrip("\n"))
-        prompts.append(encode_text(tokenizer, text, chat_template))
+    prompts = [rewrite_prompt(tokenizer, protocol, template, questions[i].question, ro.docs[i], chat_template)
+               for i in rows]
     outs = sampler.generate(prompts, stop=protocol.stop)
     keep = [(i, out) for i, out in zip(rows, outs)
             if keep_rewrite(tokenizer.decode(out, skip_special_tokens=False), questions[i].answers, protocol)]
@@ -199,12 +206,13 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
 
 
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
-                     **rollout_kw) -> tuple[Rollout | None, dict]:
+                     **rollout_kw) -> tuple[Rollout | None, dict, list[str]]:
     """Roll out `samples` trajectories per question (`batch_size` questions a call); keep the
-    correct, well-formed ones, each distinct trajectory once (§4.1). Returns (kept or None, counts)."""
+    correct, well-formed ones, each distinct trajectory once (§4.1). Returns (kept or None, counts,
+    the question of each kept row)."""
     from tqdm import tqdm
 
-    kept, seen = [], set()  # kept: (prompt ids, response ids, response mask, searches, turns, answer, docs)
+    kept, seen, asked = [], set(), []  # kept: (prompt ids, response ids, response mask, searches, turns, answer, docs)
     n = {"questions": len(qa), "sampled": 0, "well_formed": 0, "correct": 0}
     size = batch_size or len(qa)
     for s in tqdm(range(0, len(qa), size), desc="rejection sampling"):
@@ -223,13 +231,47 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
                 kept.append((ro.input_ids[i, :p].tolist(), ro.input_ids[i, p:end].tolist(),
                              ro.loss_mask[i, p:end].tolist(), int(ro.searches[i]), int(ro.turns[i]), ro.answers[i],
                              ro.docs[i]))
+                asked.append(q.question)
     n["kept"] = len(kept)
     n["kept_internal"] = sum(k[3] == 0 for k in kept)
     n["questions_kept"] = len({tuple(k[0]) for k in kept})
     if not kept:
-        return None, n
+        return None, n, []
     prompts, resp, mask, searches, turns, answers, docs = (list(col) for col in zip(*kept))
-    return _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer), n
+    return _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer), n, asked
+
+
+def rewrite_demos(kept: Rollout, asked: list[str], tokenizer, protocol, template: str, recall, n: int,
+                  seed: int = 0, chat_template: bool = True) -> Rollout | None:
+    """Up to `n` demonstrations of the rewrite task for stage 1's SFT data (toy world).
+
+    For kept trajectories that searched (`n` of them, drawn with `seed`), the prompt is the rewrite
+    prompt of memorization_batch with their question and passages, and the response is
+    `recall(answer)`, the teacher's answer from memory with the trajectory's own (correct)
+    answer, every token trained. None when no kept trajectory searched."""
+    rows = [i for i in range(len(kept)) if kept.docs[i] and int(kept.searches[i]) > 0]
+    random.Random(seed).shuffle(rows)
+    rows = rows[:n]
+    if not rows:
+        return None
+    prompts = [rewrite_prompt(tokenizer, protocol, template, asked[i], kept.docs[i], chat_template) for i in rows]
+    resp = [tokenizer.encode(recall(kept.answers[i]), add_special_tokens=False) for i in rows]
+    return _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * len(rows), [1] * len(rows),
+                    [kept.answers[i] for i in rows], [[] for _ in rows], tokenizer)
+
+
+def join(a: Rollout, b: Rollout | None, tokenizer) -> Rollout:
+    """The rows of `a`, then those of `b` (if any), in one batch."""
+    if b is None:
+        return a
+    rows = [(ro, i) for ro in (a, b) for i in range(len(ro))]
+    cut = lambda ro, i, lo, hi: ro.input_ids[i, lo:hi].tolist()  # noqa: E731
+    ends = [(int(ro.prompt_len[i]), int(ro.attention_mask[i].sum())) for ro, i in rows]
+    return _collate([cut(ro, i, 0, p) for (ro, i), (p, _) in zip(rows, ends)],
+                    [cut(ro, i, p, e) for (ro, i), (p, e) in zip(rows, ends)],
+                    [ro.loss_mask[i, p:e].tolist() for (ro, i), (p, e) in zip(rows, ends)],
+                    [int(ro.searches[i]) for ro, i in rows], [int(ro.turns[i]) for ro, i in rows],
+                    [ro.answers[i] for ro, i in rows], [ro.docs[i] if ro.docs else [] for ro, i in rows], tokenizer)
 
 
 def stage1(cfg) -> Path:
@@ -243,6 +285,9 @@ def stage1(cfg) -> Path:
     from .sft import sft
     from .view import write_html
 
+    if cfg.sft_rewrites and cfg.cold_start_sampler != "teacher":
+        sys.exit("error: --sft_rewrites needs --cold_start_sampler teacher (it writes the demonstrations); "
+                 "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
     out = Path(cfg.out_dir)
     print(f"config:\n{format_config(cfg)}", flush=True)
     save_config(cfg, out / "config.json")
@@ -269,14 +314,20 @@ def stage1(cfg) -> Path:
     else:
         sys.exit(f"error: unknown --cold_start_sampler {cfg.cold_start_sampler!r} (valid: policy, teacher)")
     t_sample = time.time()
-    kept, counts = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
-                                    max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
-                                    max_len=cfg.max_len, chat_template=cfg.chat_template)
+    kept, counts, asked = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
+                                           max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
+                                           max_len=cfg.max_len, chat_template=cfg.chat_template)
     print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
     counts["t_sample"] = time.time() - t_sample
     if kept is None:
         sys.exit("error: no sampled trajectory was both correct and well formed, nothing to fine-tune on; "
                  "sample more (--group, --sft_questions) or, in the toy world, --cold_start_sampler teacher")
+    if cfg.sft_rewrites:
+        demos = rewrite_demos(kept, asked, tokenizer, protocol, rewrite_template(protocol, cfg.template),
+                              sampler.recall, cfg.sft_rewrites, cfg.seed, cfg.chat_template)
+        counts["rewrite_demos"] = 0 if demos is None else len(demos)
+        print(f"rewrite demonstrations: {counts['rewrite_demos']}", flush=True)
+        kept = join(kept, demos, tokenizer)
     write_html(out / "trajectories" / "kept.html", kept, tokenizer, [1.0] * len(kept), [[a] for a in kept.answers],
                title="stage 1: kept trajectories", limit=16)
     losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
@@ -297,7 +348,7 @@ USAGE = """usage: python -m searchlite.r1pp stage1 [--preset NAME] [--field valu
 
 R1-Searcher++ stage 1, the SFT cold start (see this module's docstring). Reads model,
 train_data, the retrieval and rollout fields, group (samples per question), batch_size
-(questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr and
+(questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr, sft_rewrites and
 sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
 Every field: python -m searchlite.r1pp stage1 --help."""
 

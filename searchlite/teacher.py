@@ -135,6 +135,10 @@ class Teacher:
             return f"{said}I need to search {query}. <|begin_external_search|> {query} <|end_external_search|>"
         return f"<think> {said}I need to search {query}. </think>\n<search> {query} </search>"
 
+    def recall(self, answer: str) -> str:
+        """A whole response that answers `answer` from memory, in the teacher's words and protocol."""
+        return self._internal([], answer)
+
     def _internal(self, hops, answer: str) -> str:
         if self.pp:
             return (f"I know this. <|begin_internal_answer|> {answer} <|end_internal_answer|>\n"

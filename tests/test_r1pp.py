@@ -134,8 +134,8 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
         "q-none": ["I do not know."],  # no answer at all
     }
     qa = [QA(k, k, ["Paris"]) for k in scripts]
-    kept, n = r1pp.rejection_sample(ScriptedSampler(tok, scripts), FixedRetriever(), tok, PP, qa, samples=2,
-                                    batch_size=4, max_turns=2, topk=1, chat_template=False)
+    kept, n, asked = r1pp.rejection_sample(ScriptedSampler(tok, scripts), FixedRetriever(), tok, PP, qa, samples=2,
+                                           batch_size=4, max_turns=2, topk=1, chat_template=False)
     assert n == {"questions": 6, "sampled": 12, "well_formed": 8, "correct": 4, "kept": 2, "kept_internal": 1,
                  "questions_kept": 2}  # the two identical samples of a question are kept once
     texts = [tok.decode(kept.input_ids[i, :int(kept.attention_mask[i].sum())]) for i in range(len(kept))]
@@ -146,6 +146,28 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     trained = tok.decode(kept.input_ids[i][kept.loss_mask[i].bool()])
     assert "Paris is the capital" in texts[i] and "Paris is the capital" not in trained
     assert "<|begin_search_result|>" not in trained
+    assert asked == ["q-internal", "q-search"]
+
+    # stage 1's rewrite demonstrations (toy world): only the kept trajectory that searched gives one
+    template = r1pp.rewrite_template(PP, "toy")
+    demos = r1pp.rewrite_demos(kept, asked, tok, PP, template, internal, n=5, chat_template=False)
+    assert len(demos) == 1 and demos.searches.tolist() == [0] and demos.answers == ["paris"]
+    ids, lm = demos.input_ids[0][demos.attention_mask[0].bool()], demos.loss_mask[0][demos.attention_mask[0].bool()]
+    prompt = r1pp.rewrite_prompt(tok, PP, template, "q-search", kept.docs[1], chat_template=False)
+    assert ids[:len(prompt)].tolist() == prompt and not lm[:len(prompt)].any()
+    assert tok.decode(prompt).count("Paris is the capital of France.") == 1  # its passage, in the prompt only
+    assert tok.decode(ids[lm.bool()]) == internal("paris")  # every response token trained
+    assert r1pp.keep_rewrite(internal("paris"), ["Paris"], PP)  # what stage 2 keeps from the rewrite model
+    assert r1pp.rewrite_demos(kept.select([0]), asked[:1], tok, PP, template, internal, n=5) is None  # no search
+
+    both = r1pp.join(kept, demos, tok)  # the SFT data: the kept rows, then the demonstrations, unchanged
+    assert len(both) == 3 and both.answers == ["paris"] * 3
+    for row, (src, i) in enumerate([(kept, 0), (kept, 1), (demos, 0)]):
+        n_tok = int(src.attention_mask[i].sum())
+        assert int(both.attention_mask[row].sum()) == n_tok
+        assert torch.equal(both.input_ids[row, :n_tok], src.input_ids[i, :n_tok])
+        assert torch.equal(both.loss_mask[row, :n_tok], src.loss_mask[i, :n_tok])
+    assert r1pp.join(kept, None, tok) is kept
 
 
 # ---------------------------------------------------------------------------- memorization (stage 2)
@@ -250,17 +272,25 @@ def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_token
 def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     out = tmp_path / "s1"
     r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out),
-               "--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4"])
+               "--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4",
+               "--sft_rewrites", "2"])
     counts = json.loads((out / "stage1.json").read_text())
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
+    assert 0 < counts["rewrite_demos"] <= min(2, counts["kept"] - counts["kept_internal"])
     assert (out / "model" / "model.safetensors").exists() and (out / "trajectories" / "kept.html").exists()
+
+
+def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
+    with pytest.raises(SystemExit, match="--sft_rewrites needs --cold_start_sampler teacher"):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path),
+                   "--cold_start_sampler", "policy", "--sft_rewrites", "2"])
 
 
 def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="no sampled trajectory"):  # a random model writes no valid trajectory
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--cold_start_sampler", "policy", "--model", tiny_model,
                    "--out_dir", str(tmp_path), "--sft_questions", "2", "--group", "2", "--max_new_tokens", "4",
-                   "--max_turns", "1"])
+                   "--max_turns", "1", "--sft_rewrites", "0"])
 
 
 def stage2_args(model, out, extra=()):
