@@ -5,10 +5,11 @@
 
 For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
 evaluation (the first is the stage-1 model every run starts from; `step` says how far a run
-got), by question type, and the rewrites L_M kept over the run. Then, from the test questions alone, the fewest retrievals a
-policy could make and still answer every question: one per hop, except hops about famous
-entities, which the toy world's warm start teaches (toyworld.py); and the same if it had also
-memorised every fact that a training question asks (what L_M teaches, at best).
+got), by question type, and the rewrites L_M kept over the run. Then, from the test questions
+alone, the fewest retrievals a policy could make and still answer every question: one per hop,
+except hops about famous entities, which the toy world's warm start teaches (toyworld.py); and
+the same if it had also memorised every fact that a training question asks (what L_M teaches,
+at best).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ RUNS = ["full", "nogroup", "nomem", "neither", "baseline"]
 TYPES = ["1hop", "2hop", "comparison"]
 
 
-def last_evals(path: Path) -> tuple[dict, dict, int, int]:
+def run_summary(path: Path) -> tuple[dict, dict, int, int]:
     """(first eval row, last eval row, rewrites kept, rewrites tried) of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/all" in r]
@@ -55,7 +56,7 @@ def main() -> None:
     print("| run | step | test EM | RC | " + " | ".join(f"{t} EM / RC" for t in TYPES) + " | L_M rewrites kept |")
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
     for i, run in enumerate(args.runs):
-        first, last, kept, tried = last_evals(ROOT / run / "metrics.jsonl")
+        first, last, kept, tried = run_summary(ROOT / run / "metrics.jsonl")
         rows = [("stage 1 (start)", first)] if i == 0 else []
         for name, ev in rows + [(Path(run).name, last)]:
             cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" for t in TYPES]
