@@ -254,10 +254,13 @@ def main(argv=None) -> None:
         with dist.gathered(policy):  # torchrun: each rank answers its share of the test questions
             _, records = score_qa(sampler, retriever, tokenizer, protocol, dist.shard(test_qa, even=False),
                                   batch_size=64, progress=dist.is_main(), **rollout_kw)
-        metrics = summarize([r for part in dist.gather_objects(records) for r in part])
+        records = [r for part in dist.gather_objects(records) for r in part]
+        metrics = summarize(records)
         line = "  ".join(f"{k}: em {v['em']:.3f} searches {v['searches']:.2f}" for k, v in metrics.items())
         if dist.is_main():
             print(f"eval step {step}  {line}", flush=True)
+            (out / "eval").mkdir(exist_ok=True)  # every question's answer, trajectory and retrieved passages
+            (out / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return metrics
 
     start = 0

@@ -5,7 +5,9 @@
 
 For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
 evaluation (the first is the stage-1 model every run starts from; `step` says how far a run
-got), by question type, and the rewrites L_M kept over the run. Then, from the test questions
+got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
+which hops it answered without their passage, split by what it could know (`hop_sources`).
+Then, from the test questions
 alone, the fewest retrievals a policy could make and still answer every question: one per hop,
 except hops about famous entities, which the toy world's warm start teaches (toyworld.py); and
 the same if it had also memorised every fact that a training question asks (what L_M teaches,
@@ -34,17 +36,47 @@ def run_summary(path: Path) -> tuple[dict, dict, int, int]:
 
 def floors(test: Path, train: Path) -> dict:
     """Mean retrievals per test question, by type, when famous hops (and, second, hops a training
-    question asks) are answered from memory and every other hop takes one search."""
+    question asks) are answered from memory and every other hop takes one search (0 for a type
+    with no question)."""
     seen = {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines()
             for h in json.loads(line)["hops"]}
     out: dict = {"famous": {}, "famous+train": {}}
     qs = [json.loads(line) for line in test.read_text().splitlines()]
     for t in TYPES + ["all"]:
-        sub = [q for q in qs if t in ("all", q["type"])]
+        sub = [q for q in qs if t in ("all", q["type"])] or [{"hops": []}]
         out["famous"][t] = sum(sum(not h["famous"] for h in q["hops"]) for q in sub) / len(sub)
         out["famous+train"][t] = sum(sum(not h["famous"] and (h["doc_id"], h["answer"]) not in seen
                                          for h in q["hops"]) for q in sub) / len(sub)
     return out
+
+
+def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
+    """Which hops a policy answered without retrieving their passage (it answered from memory, or
+    its search missed), by what it could know: a famous hop (the warm start taught it), a hop some
+    training question asks (L_M could have taught it) or neither (it could only guess). Also how
+    many questions did so for a training hop (and for no other), and how many for an other hop,
+    each with its EM."""
+    seen = {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines()
+            for h in json.loads(line)["hops"]}
+    hops = {q["id"]: q["hops"] for q in map(json.loads, test.read_text().splitlines())}
+    n = {k: [0, 0] for k in ("famous", "train", "new")}  # kind -> [hops, hops without their passage]
+    recalled, guessed = [], []  # em of each question that answered a train / a new hop without its passage
+    for r in records:
+        got, guess, recall = {d["id"] for d in r["docs"]}, False, False
+        for h in hops[r["id"]]:
+            kind = "famous" if h["famous"] else "train" if (h["doc_id"], h["answer"]) in seen else "new"
+            n[kind][0] += 1
+            n[kind][1] += h["doc_id"] not in got
+            guess |= kind == "new" and h["doc_id"] not in got
+            recall |= kind == "train" and h["doc_id"] not in got
+        if guess:
+            guessed.append(r["em"])
+        elif recall:
+            recalled.append(r["em"])
+    out = {k: b / a if a else 0.0 for k, (a, b) in n.items()}
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return out | {"recalled": len(recalled), "recalled_em": mean(recalled),
+                  "guessed": len(guessed), "guessed_em": mean(guessed)}
 
 
 def main() -> None:
@@ -64,6 +96,22 @@ def main() -> None:
             print(f"| {name} | {ev['step']} | {ev['eval/all']['em']:.3f} | {ev['eval/all']['searches']:.2f} | "
                   + " | ".join(cells) + f" | {mem} |")
     data = ROOT / args.data
+    print("\nHops answered without retrieving their passage (last evaluation), by what the model could"
+          " know, and the questions that did so:\n")
+    print("| run | famous hops | hops a training question asks | other hops "
+          "| questions lacking a training hop's passage: n, EM | lacking an other hop's: n, EM |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for i, run in enumerate(args.runs):
+        files = sorted((ROOT / run / "eval").glob("step_*.jsonl"))
+        if not files:
+            print(f"| {Path(run).name} | (no eval/ records) | | | | |")
+            continue
+        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(Path(run).name, files[-1])]:
+            h = hop_sources([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl",
+                            data / "train.jsonl")
+            print(f"| {name}, {f.stem} | {h['famous']:.0%} | {h['train']:.0%} | {h['new']:.0%} | "
+                  f"{h['recalled']}, {h['recalled_em']:.3f} | {h['guessed']}, {h['guessed_em']:.3f} |")
+    print()
     fl = floors(data / "test.jsonl", data / "train.jsonl")
     for name, f in fl.items():
         print(f"fewest retrievals per test question, {name} hops from memory: {f['all']:.3f} ("

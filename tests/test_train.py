@@ -46,6 +46,11 @@ def test_two_steps_change_parameters(tiny_model, tmp_path, algo, varied_reward):
     assert any(r["reward"] not in (0.0, 1.0) for r in rows[1:])  # mixed rewards: a real update happened
     assert (out / "trajectories" / "step00002.html").exists()
     assert json.loads((out / "config.json").read_text())["algo"] == algo
+    for step in (0, 2):  # each held-out evaluation keeps its per-question records, which add up to its summary
+        records = [json.loads(line) for line in (out / "eval" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(records) == 4 and all("trajectory" in r and "docs" in r for r in records)
+        row = next(r for r in rows if r["step"] == step)
+        assert row["eval/all"]["em"] == pytest.approx(sum(r["em"] for r in records) / 4)
 
 
 def test_resume_is_exact(tiny_model, tmp_path, varied_reward):

@@ -1,0 +1,54 @@
+"""bench/r1pp_table.py's accounting of retrievals, on hand-made questions and records."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "r1pp_table.py"
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("r1pp_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hop(doc, answer, famous=False):
+    return {"query": doc, "doc_id": doc, "answer": answer, "famous": famous}
+
+
+@pytest.fixture()
+def world(tmp_path):
+    """Training asks fact (b, B); the test set: a famous 1-hop, a 1-hop on a new fact, and a 2-hop
+    whose first hop is the trained fact and whose second is new."""
+    train = [{"id": "t1", "type": "1hop", "hops": [hop("b", "B")]}]
+    test = [{"id": "q1", "type": "1hop", "hops": [hop("a", "A", famous=True)]},
+            {"id": "q2", "type": "1hop", "hops": [hop("c", "C")]},
+            {"id": "q3", "type": "2hop", "hops": [hop("b", "B"), hop("d", "D")]}]
+    for name, rows in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "test.jsonl", tmp_path / "train.jsonl"
+
+
+def test_floors_count_one_search_per_hop_not_known(table, world):
+    fl = table.floors(*world)
+    assert fl["famous"]["all"] == pytest.approx((0 + 1 + 2) / 3)
+    assert fl["famous+train"]["all"] == pytest.approx((0 + 1 + 1) / 3)
+    assert fl["famous"]["2hop"] == 2 and fl["famous+train"]["2hop"] == 1 and fl["famous"]["comparison"] == 0  # none asked
+
+
+def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, world):
+    records = [{"id": "q1", "em": 1.0, "docs": []},  # famous hop from memory
+               {"id": "q2", "em": 0.0, "docs": [{"id": "x"}]},  # searched, missed its passage: lacks a new hop
+               {"id": "q3", "em": 1.0, "docs": [{"id": "d"}]}]  # recalled the trained hop, looked up the new one
+    h = table.hop_sources(records, *world)
+    assert (h["famous"], h["train"], h["new"]) == (1.0, 1.0, 0.5)
+    assert (h["recalled"], h["recalled_em"], h["guessed"], h["guessed_em"]) == (1, 1.0, 1, 0.0)
+    both = [{"id": "q3", "em": 0.0, "docs": []}]  # lacks both: counted with the new hop's, not as recalled
+    h = table.hop_sources(both, *world)
+    assert (h["famous"], h["train"], h["new"]) == (0.0, 1.0, 1.0)
+    assert (h["recalled"], h["guessed"]) == (0, 1)
