@@ -1,0 +1,77 @@
+"""The scripted teacher under R1-Searcher++'s protocol, played by hand against fixed passages: it
+answers from memory only when every hop is famous, else searches hop by hop and reads the values
+from the passages; its deliberate mistakes fire at their rates."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from searchlite.data import QA
+from searchlite.protocol import get_protocol
+from searchlite.r1pp import well_formed
+from searchlite.rewards import cover_exact_match
+from searchlite.teacher import Teacher
+
+PP = get_protocol("r1_searcher_pp", "toy")
+EXACT = dict(p_guess=0.0, p_famous_internal=1.0, p_stop=0.0, p_verbatim=0.0, p_wrong_span=0.0)
+PASSAGES = {"Kova Works": "Kova Works was founded by Lira Dun in 1850.", "Lira Dun": "Lira Dun was born in Tesk.",
+            "Tesk": "Tesk is a city in the region of Varn.", "Bo Sel": "Bo Sel (born 1801 in Tesk).",
+            "Ri Tam": "Ri Tam (born 1799 in Tesk)."}
+
+
+def hop(query, answer, famous):
+    return {"query": query, "doc_id": query, "answer": answer, "famous": famous}
+
+
+def play(teacher, question, turns=4):
+    """Roll the teacher out by hand: each search's passage is the queried entity's passage."""
+    context, response, searches = f"Question: {question}\n", "", 0
+    for _ in range(turns):
+        out = teacher.turn(context + response)
+        response += out
+        if not out.endswith(PP.stop[0]):
+            return response, searches
+        query = out.rsplit("<|begin_external_search|>", 1)[1].split("<|end_external_search|>")[0].strip()
+        response += f"\n{PP.info_open}Doc 1(Title: {query}) {PASSAGES[query]}\n{PP.info_close}\n"
+        searches += 1
+    return response, searches
+
+
+def answer(response):
+    return PP.parse(response.rsplit(PP.info_close, 1)[-1]).content  # the last turn's answer
+
+
+@pytest.mark.parametrize("famous, searches", [((False, True), 2), ((True, False), 2), ((True, True), 0),
+                                              ((False, False), 2)])
+def test_two_hop_recalls_only_when_every_hop_is_famous(famous, searches):
+    q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
+           {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", famous[0]), hop("Tesk", "Varn", famous[1])]})
+    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **EXACT)
+    response, n = play(teacher, q.question)
+    assert n == searches and response.count("<|begin_internal_answer|>") == (searches == 0)
+    assert well_formed(response, PP) and cover_exact_match(answer(response), q.answers) == 1.0
+    if searches:  # the second search is for the bridge value read from the first passage
+        assert "I found Tesk. I need to search Tesk." in response
+
+
+def test_comparison_looks_up_both_years_and_compares():
+    q = QA("2", "Who was born first, Bo Sel or Ri Tam?", ["Ri Tam"],
+           {"type": "comparison", "hops": [hop("Bo Sel", "1801", True), hop("Ri Tam", "1799", False)]})
+    response, n = play(Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **EXACT), q.question)
+    assert n == 2 and answer(response) == "Ri Tam" and well_formed(response, PP)
+
+
+def test_a_guess_answers_at_once_with_a_value_of_the_same_kind():
+    q = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
+    other = QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", False)]})
+    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q, other], seed=0, **(EXACT | {"p_guess": 1.0}))
+    response, n = play(teacher, q.question)
+    assert n == 0 and "<|begin_internal_answer|>" in response and answer(response) in ("1801", "1799")
+
+
+def test_a_stop_after_the_first_hop_answers_the_bridge():
+    q = QA("3", "In which region was Lira Dun born?", ["Varn"],
+           {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", False), hop("Tesk", "Varn", False)]})
+    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **(EXACT | {"p_stop": 1.0}))
+    response, n = play(teacher, q.question)
+    assert n == 1 and answer(response) == "Tesk"
