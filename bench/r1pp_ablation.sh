@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its ablations (the paper's
-# Table 2) and plain REINFORCE++ with the EM reward, each from the same stage-1 model. About
-# 13 minutes a run on one CPU core (stage 1: ~9 more). Rerunning skips a finished stage 1.
+# Table 2) and plain REINFORCE++ with the EM reward, each from the same stage-1 model. 13 to 20
+# minutes a run on one CPU core (20 with another run on the second core; stage 1: ~9 more).
+# Rerunning skips a finished stage 1.
 #
 #   bash bench/r1pp_ablation.sh        # writes runs/r1pp-{full,nogroup,nomem,neither,baseline}
+#   SEEDS="1 2" bash bench/r1pp_ablation.sh   # and then the full recipe and the baseline again with
+#                                             # each of those --seed values: runs/r1pp-{full,baseline}-sN
 #
 # Each run's test EM and retrieval calls per question (by question type) are in its
 # metrics.jsonl (the last row's eval/ keys); bench/r1pp_table.py prints them as a table.
@@ -17,4 +20,10 @@ run nogroup --group_reward false
 run nomem --mem_coef 0
 run neither --group_reward false --mem_coef 0
 run baseline --reward em --mem_coef 0
-"$PYTHON" bench/r1pp_table.py   # the README's table, and the fewest retrievals the test set allows
+for s in ${SEEDS:-}; do
+  run "full-s$s" --seed "$s"
+  run "baseline-s$s" --seed "$s" --reward em --mem_coef 0
+done
+extra=$(for s in ${SEEDS:-}; do echo "runs/r1pp-full-s$s runs/r1pp-baseline-s$s"; done)
+# the README's table, which hops each run answered without their passage, and the fewest retrievals the test set allows
+"$PYTHON" bench/r1pp_table.py --runs runs/r1pp-{full,nogroup,nomem,neither,baseline} $extra
