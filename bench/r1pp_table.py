@@ -7,11 +7,10 @@ For each run: the held-out test EM and retrieval calls per question (RC) at its 
 evaluation (the first is the stage-1 model every run starts from; `step` says how far a run
 got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
 which hops it answered without their passage, split by what it could know (`hop_sources`).
-Then, from the test questions
-alone, the fewest retrievals a policy could make and still answer every question: one per hop,
-except hops about famous entities, which the toy world's warm start teaches (toyworld.py); and
-the same if it had also memorised every fact that a training question asks (what L_M teaches,
-at best).
+Then, from the test questions alone, the fewest retrievals a policy could make and still answer
+every question: one per hop, except hops about famous entities, which the toy world's warm
+start teaches (toyworld.py); and the same if it had also memorised every fact that a training
+question asks (what L_M teaches, at best).
 """
 
 from __future__ import annotations
@@ -34,41 +33,47 @@ def run_summary(path: Path) -> tuple[dict, dict, int, int]:
     return evals[0], evals[-1], sum(r.get("mem_kept", 0) for r in rows), sum(r.get("mem_tried", 0) for r in rows)
 
 
+def trained_facts(train: Path) -> set:
+    """The (passage, value) facts that some training question's hops ask."""
+    return {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines() for h in json.loads(line)["hops"]}
+
+
+def hop_kind(h: dict, trained: set) -> str:
+    """What a model could know of a hop: "famous" (the warm start taught it), "train" (a training
+    question asks it, so L_M could have taught it) or "new" (it can only be looked up or guessed)."""
+    return "famous" if h["famous"] else "train" if (h["doc_id"], h["answer"]) in trained else "new"
+
+
 def floors(test: Path, train: Path) -> dict:
     """Mean retrievals per test question, by type, when famous hops (and, second, hops a training
     question asks) are answered from memory and every other hop takes one search (0 for a type
     with no question)."""
-    seen = {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines()
-            for h in json.loads(line)["hops"]}
+    trained = trained_facts(train)
     out: dict = {"famous": {}, "famous+train": {}}
     qs = [json.loads(line) for line in test.read_text().splitlines()]
     for t in TYPES + ["all"]:
-        sub = [q for q in qs if t in ("all", q["type"])] or [{"hops": []}]
-        out["famous"][t] = sum(sum(not h["famous"] for h in q["hops"]) for q in sub) / len(sub)
-        out["famous+train"][t] = sum(sum(not h["famous"] and (h["doc_id"], h["answer"]) not in seen
-                                         for h in q["hops"]) for q in sub) / len(sub)
+        sub = [[hop_kind(h, trained) for h in q["hops"]] for q in qs if t in ("all", q["type"])] or [[]]
+        out["famous"][t] = sum(len(kinds) - kinds.count("famous") for kinds in sub) / len(sub)
+        out["famous+train"][t] = sum(kinds.count("new") for kinds in sub) / len(sub)
     return out
 
 
 def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
-    """Which hops a policy answered without retrieving their passage (it answered from memory, or
-    its search missed), by what it could know: a famous hop (the warm start taught it), a hop some
-    training question asks (L_M could have taught it) or neither (it could only guess). Also how
-    many questions did so for a training hop (and for no other), and how many for an other hop,
-    each with its EM."""
-    seen = {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines()
-            for h in json.loads(line)["hops"]}
+    """The share of each `hop_kind` that a policy answered without retrieving its passage (from
+    memory, or its search missed). Also how many questions did so for a "train" hop (and for no
+    "new" one), and how many for a "new" hop, each with its EM."""
+    trained = trained_facts(train)
     hops = {q["id"]: q["hops"] for q in map(json.loads, test.read_text().splitlines())}
     n = {k: [0, 0] for k in ("famous", "train", "new")}  # kind -> [hops, hops without their passage]
     recalled, guessed = [], []  # em of each question that answered a train / a new hop without its passage
     for r in records:
         got, guess, recall = {d["id"] for d in r["docs"]}, False, False
         for h in hops[r["id"]]:
-            kind = "famous" if h["famous"] else "train" if (h["doc_id"], h["answer"]) in seen else "new"
+            kind, missed = hop_kind(h, trained), h["doc_id"] not in got
             n[kind][0] += 1
-            n[kind][1] += h["doc_id"] not in got
-            guess |= kind == "new" and h["doc_id"] not in got
-            recall |= kind == "train" and h["doc_id"] not in got
+            n[kind][1] += missed
+            guess |= kind == "new" and missed
+            recall |= kind == "train" and missed
         if guess:
             guessed.append(r["em"])
         elif recall:

@@ -11,6 +11,18 @@ TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</info
         "<|end_external_search|>", "<|begin_search_result|>", "<|end_search_result|>"]
 
 
+def load_bench(name: str):
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_byte_tokenizer():
     """A byte-level tokenizer (256 byte tokens, no merges) plus the tags as single tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

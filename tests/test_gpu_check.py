@@ -1,21 +1,15 @@
 """bench/gpu_check.py's code path on CPU (--tiny): the one GPU check runs the same steps."""
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("gpu_check")
 
 
 def test_tiny_grpo_step_reports_throughput(gpu_check, monkeypatch, capsys):

@@ -1,20 +1,14 @@
 """bench/r1pp_table.py's accounting of retrievals, on hand-made questions and records."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "r1pp_table.py"
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("r1pp_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("r1pp_table")
 
 
 def hop(doc, answer, famous=False):
