@@ -17,12 +17,14 @@ def hop(doc, answer, famous=False):
 
 @pytest.fixture()
 def world(tmp_path):
-    """Training asks fact (b, B); the test set: a famous 1-hop, a 1-hop on a new fact, and a 2-hop
-    whose first hop is the trained fact and whose second is new."""
+    """Training asks fact (b, B); the test set: a famous 1-hop, a 1-hop on a new fact, a 2-hop
+    whose first hop is the trained fact and whose second is new, and a 2-hop whose first hop is
+    famous and whose second is new."""
     train = [{"id": "t1", "type": "1hop", "hops": [hop("b", "B")]}]
     test = [{"id": "q1", "type": "1hop", "hops": [hop("a", "A", famous=True)]},
             {"id": "q2", "type": "1hop", "hops": [hop("c", "C")]},
-            {"id": "q3", "type": "2hop", "hops": [hop("b", "B"), hop("d", "D")]}]
+            {"id": "q3", "type": "2hop", "hops": [hop("b", "B"), hop("d", "D")]},
+            {"id": "q4", "type": "2hop", "hops": [hop("e", "E", famous=True), hop("f", "F")]}]
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path / "test.jsonl", tmp_path / "train.jsonl"
@@ -30,9 +32,11 @@ def world(tmp_path):
 
 def test_floors_count_one_search_per_hop_not_known(table, world):
     fl = table.floors(*world)
-    assert fl["famous"]["all"] == pytest.approx((0 + 1 + 2) / 3)
-    assert fl["famous+train"]["all"] == pytest.approx((0 + 1 + 1) / 3)
-    assert fl["famous"]["2hop"] == 2 and fl["famous+train"]["2hop"] == 1 and fl["famous"]["comparison"] == 0  # none asked
+    assert fl["famous questions"]["all"] == pytest.approx((0 + 1 + 2 + 2) / 4)  # q4 is not famous throughout
+    assert fl["famous hops"]["all"] == pytest.approx((0 + 1 + 2 + 1) / 4)
+    assert fl["famous+train hops"]["all"] == pytest.approx((0 + 1 + 1 + 1) / 4)
+    assert (fl["famous questions"]["2hop"], fl["famous hops"]["2hop"], fl["famous+train hops"]["2hop"]) == (2, 1.5, 1)
+    assert fl["famous hops"]["comparison"] == 0  # none asked
 
 
 def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, world):
