@@ -4,9 +4,12 @@
 # minutes a run on one CPU core (20 with another run on the second core; stage 1: ~9 more).
 # Rerunning skips a finished stage 1.
 #
-#   bash bench/r1pp_ablation.sh        # writes runs/r1pp-{full,nogroup,nomem,neither,baseline}
-#   SEEDS="1 2" bash bench/r1pp_ablation.sh   # and then the full recipe and the baseline again with
-#                                             # each of those --seed values: runs/r1pp-{full,baseline}-sN
+#   bash bench/r1pp_ablation.sh        # writes runs/r1pp-{full,nogroup,nomem,neither,baseline,searchonly}
+#   SEEDS="1 2" bash bench/r1pp_ablation.sh   # and then the five stage-2 runs again with each of
+#                                             # those --seed values: runs/r1pp-{full,...,baseline}-sN
+#
+# r1pp-searchonly is R1-Searcher's setting rather than an ablation: plain REINFORCE++ with the EM
+# reward from the toy warm start in the search-only protocol (no stage 1, no internal answers).
 #
 # Each run's test EM and retrieval calls per question (by question type) are in its
 # metrics.jsonl (the last row's eval/ keys); bench/r1pp_table.py prints them as a table.
@@ -20,10 +23,14 @@ run nogroup --group_reward false
 run nomem --mem_coef 0
 run neither --group_reward false --mem_coef 0
 run baseline --reward em --mem_coef 0
+echo "== searchonly"; "$PYTHON" train.py --algo reinforce_pp --reward em --out_dir runs/r1pp-searchonly
 for s in ${SEEDS:-}; do
   run "full-s$s" --seed "$s"
+  run "nogroup-s$s" --seed "$s" --group_reward false
+  run "nomem-s$s" --seed "$s" --mem_coef 0
+  run "neither-s$s" --seed "$s" --group_reward false --mem_coef 0
   run "baseline-s$s" --seed "$s" --reward em --mem_coef 0
 done
-extra=$(for s in ${SEEDS:-}; do echo "runs/r1pp-full-s$s runs/r1pp-baseline-s$s"; done)
+extra=$(for s in ${SEEDS:-}; do echo runs/r1pp-{full,nogroup,nomem,neither,baseline}-s$s; done)
 # the README's table, which hops each run answered without their passage, and the fewest retrievals the test set allows
-"$PYTHON" bench/r1pp_table.py --runs runs/r1pp-{full,nogroup,nomem,neither,baseline} $extra
+"$PYTHON" bench/r1pp_table.py --runs runs/r1pp-{full,nogroup,nomem,neither,baseline,searchonly} $extra

@@ -6,7 +6,8 @@
 For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
 evaluation (the first is the stage-1 model every run starts from; `step` says how far a run
 got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
-which hops it answered without their passage, split by what it could know (`hop_sources`).
+which hops it answered without their passage, split by what it could know (`hop_sources`), and
+the EM of questions answered with no search against those searched (`recall_vs_search`).
 Then, from the test questions alone, the fewest retrievals a policy could make and still answer
 every question: one per hop, except that it answers from memory (a) questions whose every hop
 is about a famous entity, which the toy world's warm start teaches (toyworld.py; stage 1's
@@ -87,6 +88,18 @@ def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
                   "guessed": len(guessed), "guessed_em": mean(guessed)}
 
 
+def recall_vs_search(records: list[dict], test: Path) -> dict:
+    """(questions, mean EM) of the famous questions (every hop famous) and of the others, split by
+    whether the policy answered with no search ("recalled") or searched: what a retrieval saved
+    costs in EM."""
+    famous = {q["id"]: q["famous"] for q in map(json.loads, test.read_text().splitlines())}
+    out: dict = {}
+    for r in records:
+        key = ("famous" if famous[r["id"]] else "other", "recalled" if r["searches"] == 0 else "searched")
+        out.setdefault(key, []).append(r["em"])
+    return {k: (len(v), sum(v) / len(v)) for k, v in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="*", default=[f"runs/r1pp-{r}" for r in RUNS], help="train.py out_dirs")
@@ -119,6 +132,17 @@ def main() -> None:
                             data / "train.jsonl")
             print(f"| {name}, {f.stem} | {h['famous']:.0%} | {h['train']:.0%} | {h['new']:.0%} | "
                   f"{h['recalled']}, {h['recalled_em']:.3f} | {h['guessed']}, {h['guessed_em']:.3f} |")
+    print("\nQuestions answered with no search, and those searched (n, EM; famous: every hop famous):\n")
+    print("| run | famous, recalled | famous, searched | other, recalled | other, searched |")
+    print("|---|---:|---:|---:|---:|")
+    for i, run in enumerate(args.runs):
+        files = sorted((ROOT / run / "eval").glob("step_*.jsonl"))
+        for name, f in ([("stage 1 (start)", files[0])] if i == 0 and files else []) + (
+                [(Path(run).name, files[-1])] if files else []):
+            rv = recall_vs_search([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl")
+            print(f"| {name}, {f.stem} | " + " | ".join(
+                "{}, {:.3f}".format(*rv.get((k, m), (0, 0.0))) for k in ("famous", "other")
+                for m in ("recalled", "searched")) + " |")
     print()
     fl = floors(data / "test.jsonl", data / "train.jsonl")
     for name, f in fl.items():

@@ -50,3 +50,14 @@ def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, worl
     h = table.hop_sources(both, *world)
     assert (h["famous"], h["train"], h["new"]) == (0.0, 1.0, 1.0)
     assert (h["recalled"], h["guessed"]) == (0, 1)
+
+
+def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
+    test, _ = world
+    famous = [{"id": "q1", "famous": True}]
+    others = [{"id": f"q{i}", "famous": False} for i in (2, 3, 4)]
+    test.write_text("".join(json.dumps(r) + "\n" for r in famous + others))
+    records = [{"id": "q1", "searches": 0, "em": 1.0}, {"id": "q2", "searches": 0, "em": 0.0},
+               {"id": "q3", "searches": 1, "em": 1.0}, {"id": "q4", "searches": 2, "em": 0.0}]
+    rv = table.recall_vs_search(records, test)
+    assert rv == {("famous", "recalled"): (1, 1.0), ("other", "recalled"): (1, 0.0), ("other", "searched"): (2, 0.5)}
