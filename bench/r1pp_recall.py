@@ -34,11 +34,12 @@ from searchlite.data import read_qa  # noqa: E402
 
 def drawn_ids(cfg: dict, n_train: int) -> list[int]:
     """Indices into the training set of the questions the run's steps drew, in order, once each."""
-    from train import epoch_order
+    from train import batch_questions
 
     seen: dict[int, None] = {}
-    for k in range(cfg["steps"] * cfg["batch_size"]):
-        seen.setdefault(epoch_order(n_train, cfg["seed"], k // n_train)[k % n_train])
+    for step in range(cfg["steps"]):
+        for i in batch_questions(range(n_train), step, cfg["batch_size"], cfg["seed"]):  # indices, not questions
+            seen.setdefault(i)
     return list(seen)
 
 
@@ -48,7 +49,8 @@ def question_sets(cfg: dict, train_qa: list, limit: int) -> dict[str, list]:
     drawn = drawn_ids(cfg, len(train_qa))
     plain = lambda i: not train_qa[i].meta.get("famous", False)  # noqa: E731
     hit = [i for i in drawn if plain(i)]
-    rest = [i for i in range(len(train_qa)) if plain(i) and i not in set(drawn)]
+    seen = set(drawn)
+    rest = [i for i in range(len(train_qa)) if plain(i) and i not in seen]
     random.Random(cfg["seed"]).shuffle(rest)
     n = min(len(hit), limit or len(hit), len(rest))
     return {"drawn": [train_qa[i] for i in hit[:n]], "control": [train_qa[i] for i in rest[:n]]}
@@ -64,7 +66,9 @@ def answer(model_path: str, sets: dict, cfg: dict) -> dict:
 
     tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
     sampler = HFSampler(load_policy(model_path, cfg["dtype"], "cpu"), tokenizer, max_new_tokens=cfg["max_new_tokens"])
-    retriever = build_retriever(cfg["retriever"], resolve_path(cfg["corpus"]))
+    retriever = build_retriever(cfg["retriever"], resolve_path(cfg["corpus"]) if cfg["retriever"] != "http" else None,
+                                encoder=cfg["encoder"] or None, pooling=cfg["pooling"], index=cfg["index"] or None,
+                                url=cfg["retriever_url"] or None)  # as train.py builds it
     protocol = get_protocol(cfg["protocol"], cfg["template"])
     kw = dict(max_turns=cfg["max_turns"], topk=cfg["topk"], max_obs_tokens=cfg["max_obs_tokens"],
               max_len=cfg["max_len"], chat_template=cfg["chat_template"])
