@@ -40,7 +40,7 @@ from searchlite.models import (Critic, find_checkpoint, frozen_copy, load_policy
                                make_optimizer, pick_device, rng_state, save_checkpoint, set_rng_state)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
-from searchlite.retrieval import build_retriever
+from searchlite.retrieval import config_retriever
 from searchlite.rewards import exact_match
 from searchlite.rollout import rollout
 from searchlite.sampler import HFSampler
@@ -225,9 +225,7 @@ def main(argv=None) -> None:
     train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
-    retriever = build_retriever(cfg.retriever, resolve_path(cfg.corpus) if cfg.retriever != "http" else None,
-                                encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
-                                url=cfg.retriever_url or None)
+    retriever = config_retriever(cfg)
     protocol = get_protocol(cfg.protocol, cfg.template)
     rank_seed = cfg.seed + 1_000_003 * dist.rank()  # each rank samples its own stream; rank 0's is cfg.seed
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=rank_seed,

@@ -24,6 +24,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -61,14 +62,12 @@ def answer(model_path: str, sets: dict, cfg: dict) -> dict:
     from searchlite.evaluation import score_qa
     from searchlite.models import load_policy, load_tokenizer
     from searchlite.protocol import get_protocol
-    from searchlite.retrieval import build_retriever
+    from searchlite.retrieval import config_retriever
     from searchlite.sampler import HFSampler
 
     tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
     sampler = HFSampler(load_policy(model_path, cfg["dtype"], "cpu"), tokenizer, max_new_tokens=cfg["max_new_tokens"])
-    retriever = build_retriever(cfg["retriever"], resolve_path(cfg["corpus"]) if cfg["retriever"] != "http" else None,
-                                encoder=cfg["encoder"] or None, pooling=cfg["pooling"], index=cfg["index"] or None,
-                                url=cfg["retriever_url"] or None)  # as train.py builds it
+    retriever = config_retriever(SimpleNamespace(**cfg))  # as train.py builds it
     protocol = get_protocol(cfg["protocol"], cfg["template"])
     kw = dict(max_turns=cfg["max_turns"], topk=cfg["topk"], max_obs_tokens=cfg["max_obs_tokens"],
               max_len=cfg["max_len"], chat_template=cfg["chat_template"])

@@ -280,7 +280,7 @@ def stage1(cfg) -> Path:
     from .data import read_qa
     from .models import load_policy, load_tokenizer, pick_device
     from .protocol import get_protocol
-    from .retrieval import build_retriever
+    from .retrieval import config_retriever
     from .sampler import HFSampler
     from .sft import sft
     from .view import write_html
@@ -300,9 +300,7 @@ def stage1(cfg) -> Path:
     qa = list(train_qa)
     random.Random(cfg.seed).shuffle(qa)
     qa = qa[:cfg.sft_questions or len(qa)]
-    retriever = build_retriever(cfg.retriever, resolve_path(cfg.corpus) if cfg.retriever != "http" else None,
-                                encoder=cfg.encoder or None, pooling=cfg.pooling, index=cfg.index or None,
-                                url=cfg.retriever_url or None)
+    retriever = config_retriever(cfg)
     protocol = get_protocol(cfg.protocol, cfg.template)
     if cfg.cold_start_sampler == "teacher":
         from .teacher import Teacher

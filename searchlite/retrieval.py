@@ -450,3 +450,13 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     if encoder is None:
         raise ValueError("retriever kind 'dense' needs encoder= (or index= a saved folder)")
     return DenseRetriever(passages, encoder, pooling=pooling, index=index, **kw)
+
+
+def config_retriever(cfg) -> Retriever:
+    """The retriever a run's config names (its retriever, corpus, encoder, pooling, index and
+    retriever_url fields): train.py's, stage 1's, and any script that replays a run."""
+    from searchlite.config import resolve_path
+
+    corpus = None if cfg.retriever == "http" else resolve_path(cfg.corpus)
+    return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
+                           index=cfg.index or None, url=cfg.retriever_url or None)

@@ -13,7 +13,7 @@ from conftest import JSONHandler, save_bag_of_words_bert
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
-                                  default_prefixes)
+                                  config_retriever, default_prefixes)
 
 CORPUS = [
     Passage("v0", "Volcano", "A volcano is a rupture in the crust where lava, ash and hot gases escape from a magma chamber below the surface."),
@@ -330,3 +330,15 @@ def test_build_retriever(tmp_path):
         build_retriever("http")
     with pytest.raises(ValueError, match="encoder"):
         build_retriever("dense", CORPUS)
+
+
+def test_config_retriever_follows_the_run_config(tmp_path):
+    from types import SimpleNamespace
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    cfg = SimpleNamespace(retriever="bm25", corpus=str(tmp_path / "c.jsonl"), encoder="", pooling="mean", index="",
+                          retriever_url="")
+    assert config_retriever(cfg).search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    http = config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "corpus": "missing.jsonl",
+                                               "retriever_url": "http://localhost:8000"}))
+    assert isinstance(http, HTTPRetriever) and http.url == "http://localhost:8000/retrieve"  # the corpus is not read
