@@ -5,8 +5,9 @@
 
 R1-Searcher++'s memorization loss (§4.2.2) trains the policy on internal-only answers to the
 questions whose passages it retrieved in training, so that it can later answer them without a
-search. The held-out test set cannot show this: its non-famous facts are never asked in
-training (toyworld.py). This script asks the training questions themselves. From each run's
+search. The held-out test set shows this only in part: every test question has a non-famous
+fact that no training question asks (toyworld.py), so none can be answered whole from memory.
+This script asks the training questions themselves. From each run's
 config.json (seed, batch_size, steps) it recomputes the questions the run drew
 (train.batch_questions), keeps the non-famous ones (a famous question can be recalled from
 the warm start), and answers them greedily, as train.py's evaluation does, with the run's
@@ -15,6 +16,17 @@ training questions that the run never drew. Per model and set: the share answere
 search, the EM of those answers, and the EM of all. Memorization shows as more correct
 no-search answers on the drawn questions than on the control, and than a run without L_M
 (--mem_coef 0) from the same seed.
+
+    python bench/r1pp_recall.py --runs runs/r1pp-full-s1 --sft_epochs 1,3,10,30
+
+--sft_epochs adds a ceiling: how many passes the starting model needs to remember the drawn
+questions at all. It trains that model by plain SFT (searchlite/sft.py, full weight, the run's
+lr) on perfect internal-only answers to the drawn questions (the toy teacher's answer from
+memory, teacher.Teacher.recall: what L_M would train on if every rewrite were kept), and after
+each cumulative number of epochs asks the same two sets, then the held-out test set: its EM and
+retrieval calls (RC), and the test questions that need a fact the drawn questions taught (a
+non-famous hop that is one of theirs) against the others. In L_M each rewrite is one pass at
+mu = 0.1 beside the policy gradient.
 """
 
 from __future__ import annotations
@@ -57,8 +69,8 @@ def question_sets(cfg: dict, train_qa: list, limit: int) -> dict[str, list]:
     return {"drawn": [train_qa[i] for i in hit[:n]], "control": [train_qa[i] for i in rest[:n]]}
 
 
-def answer(model_path: str, sets: dict, cfg: dict) -> dict:
-    """Greedy search-agent answers of one model on each set: {set: records}."""
+def answer(model, sets: dict, cfg: dict) -> dict:
+    """Greedy search-agent answers of one model (a path, or a loaded policy) on each set: {set: records}."""
     from searchlite.evaluation import score_qa
     from searchlite.models import load_policy, load_tokenizer
     from searchlite.protocol import get_protocol
@@ -66,13 +78,82 @@ def answer(model_path: str, sets: dict, cfg: dict) -> dict:
     from searchlite.sampler import HFSampler
 
     tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
-    sampler = HFSampler(load_policy(model_path, cfg["dtype"], "cpu"), tokenizer, max_new_tokens=cfg["max_new_tokens"])
+    policy = load_policy(model, cfg["dtype"], "cpu") if isinstance(model, (str, Path)) else model.eval()
+    sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg["max_new_tokens"])
     retriever = config_retriever(SimpleNamespace(**cfg))  # as train.py builds it
     protocol = get_protocol(cfg["protocol"], cfg["template"])
     kw = dict(max_turns=cfg["max_turns"], topk=cfg["topk"], max_obs_tokens=cfg["max_obs_tokens"],
               max_len=cfg["max_len"], chat_template=cfg["chat_template"])
     return {name: score_qa(sampler, retriever, tokenizer, protocol, qa, batch_size=64, progress=False, **kw)[1]
             for name, qa in sets.items()}
+
+
+def drawn_facts(drawn: list) -> set:
+    """The (passage, value) facts that the non-famous hops of the `drawn` questions ask."""
+    return {(h["doc_id"], h["answer"]) for q in drawn for h in q.meta["hops"] if not h["famous"]}
+
+
+def memory_rows(qa: list, tokenizer, protocol, chat_template: bool):
+    """Internal-only trajectories for `qa`: the plain question prompt, then the toy teacher's answer
+    from memory (its first gold answer), loss_mask 1 on that answer alone. A Rollout."""
+    from searchlite.rollout import _collate, encode_prompt
+    from searchlite.teacher import Teacher
+
+    teacher = Teacher(tokenizer, protocol, qa)
+    prompts = [encode_prompt(tokenizer, protocol, q.question, chat_template) for q in qa]
+    resp = [tokenizer.encode(teacher.recall(q.answers[0]), add_special_tokens=False) for q in qa]
+    return _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * len(qa), [1] * len(qa),
+                    [q.answers[0] for q in qa], [[] for _ in qa], tokenizer)
+
+
+def by_shared_fact(records: list[dict], test_qa: list, facts: set) -> dict:
+    """Test records split by whether one of the question's non-famous hops is in `facts`
+    ("shares" / "other"), each with n, the share answered with no search, and EM."""
+    hops = {q.id: q.meta["hops"] for q in test_qa}
+    out = {"shares": [], "other": []}
+    for r in records:
+        shares = any((h["doc_id"], h["answer"]) in facts for h in hops[r["id"]] if not h["famous"])
+        out["shares" if shares else "other"].append(r)
+    return {k: recall(v) for k, v in out.items()}
+
+
+def floor_with(test_qa: list, facts: set) -> float:
+    """Retrievals per test question if every famous hop and every hop in `facts` were answered from
+    memory and every other hop took one search (bench/r1pp_table.py's floors, with these facts)."""
+    return sum(not h["famous"] and (h["doc_id"], h["answer"]) not in facts
+               for q in test_qa for h in q.meta["hops"]) / len(test_qa)
+
+
+def ceiling(cfg: dict, sets: dict, test_qa: list, epochs: list[int]):
+    """The starting model after each cumulative number of `epochs` of SFT on perfect internal-only
+    answers to sets["drawn"]: yields (epochs, {set: recall}, test summary, test split by shared fact,
+    the token-mean NLL of those answers)."""
+    import torch
+
+    from searchlite.models import load_policy, load_tokenizer
+    from searchlite.protocol import get_protocol
+    from searchlite.sft import sft, sft_loss
+
+    tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
+    rows = memory_rows(sets["drawn"], tokenizer, get_protocol(cfg["protocol"], cfg["template"]), cfg["chat_template"])
+    torch.manual_seed(cfg["seed"])
+    model, done = load_policy(resolve_path(cfg["model"]), cfg["dtype"], "cpu"), 0
+    facts = drawn_facts(sets["drawn"])
+    for e in epochs:
+        if e > done:
+            model.train()
+            sft(model, rows.input_ids, rows.loss_mask, attention_mask=rows.attention_mask, epochs=e - done,
+                lr=cfg["lr"], batch_size=16, warmup=2, seed=cfg["seed"] + e, progress=False)
+            done = e
+        with torch.no_grad():  # in chunks of 64 rows, weighted by their answer tokens
+            model.eval()
+            chunks = [slice(s, s + 64) for s in range(0, len(rows), 64)]
+            nll = sum(float(sft_loss(model, rows.input_ids[c], rows.loss_mask[c], rows.attention_mask[c]))
+                      * float(rows.loss_mask[c].sum()) for c in chunks) / float(rows.loss_mask.sum())
+        got = answer(model, sets | {"test": test_qa}, cfg)
+        test = got.pop("test")
+        summary = {"em": sum(r["em"] for r in test) / len(test), "rc": sum(r["searches"] for r in test) / len(test)}
+        yield e, {k: recall(v) for k, v in got.items()}, summary, by_shared_fact(test, test_qa, facts), nll
 
 
 def recall(records: list[dict]) -> dict:
@@ -84,11 +165,19 @@ def recall(records: list[dict]) -> dict:
             "em": sum(r["em"] for r in records) / len(records) if records else 0.0}
 
 
+def cells(got: dict) -> str:
+    """One table row's cells: each set's recall (see `recall`)."""
+    return " | ".join(f"{got[s]['no_search']:.1%} | {got[s]['no_search_em']:.3f} | {got[s]['no_search_right']:.1%} "
+                      f"| {got[s]['em']:.3f}" for s in ("drawn", "control"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", required=True, help="train.py out_dirs (with config.json and a checkpoint)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many questions a set (0 = all drawn)")
     ap.add_argument("--start", default="true", help="also answer with the first run's starting model (true/false)")
+    ap.add_argument("--sft_epochs", default="", help="comma-separated cumulative epochs of SFT on perfect "
+                    "internal-only answers to the drawn questions, from the starting model (a ceiling; '' = none)")
     args = ap.parse_args()
 
     cfgs = {run: json.loads((Path(run) / "config.json").read_text()) for run in args.runs}
@@ -108,9 +197,25 @@ def main() -> None:
     print("|---|" + "---:|" * 8)
     for name, path, cfg in models:
         got = {k: recall(v) for k, v in answer(path, sets, cfg).items()}
-        cells = [f"{got[s]['no_search']:.1%} | {got[s]['no_search_em']:.3f} | {got[s]['no_search_right']:.1%} "
-                 f"| {got[s]['em']:.3f}" for s in ("drawn", "control")]
-        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {name} | {cells(got)} |", flush=True)
+    if not args.sft_epochs:
+        return
+    epochs = sorted({int(e) for e in args.sft_epochs.split(",")})
+    test_qa = read_qa(resolve_path(first["test_data"]))
+    tests = []
+    for e, got, summary, split, nll in ceiling(first, sets, test_qa, epochs):
+        print(f"| start + {e} epochs of SFT on the drawn answers | {cells(got)} |", flush=True)
+        tests.append((e, summary, split, nll))
+    facts = drawn_facts(sets["drawn"])
+    print(f"\nHeld-out test set after that SFT; questions sharing a fact: one of their non-famous hops "
+          f"is a hop of a drawn question. Fewest retrievals per test question with every famous hop "
+          f"recalled: {floor_with(test_qa, set()):.3f}; and every drawn fact too: {floor_with(test_qa, facts):.3f}\n")
+    print("| epochs | NLL of the drawn answers | test EM | RC | sharing a fact: n, no search, EM "
+          "| the others: n, no search, EM |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for e, summary, split, nll in tests:
+        print(f"| {e} | {nll:.3f} | {summary['em']:.3f} | {summary['rc']:.2f} | " + " | ".join(
+            f"{split[k]['n']}, {split[k]['no_search']:.1%}, {split[k]['em']:.3f}" for k in ("shares", "other")) + " |")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,80 @@ def test_recall_tallies_no_search_answers(recall):
     got = recall.recall(records)
     assert got == {"n": 4, "no_search": 0.5, "no_search_em": 0.5, "no_search_right": 0.25, "em": 0.5}
     assert recall.recall([])["n"] == 0
+
+
+def hop(doc, answer, famous=False):
+    return {"query": doc, "doc_id": doc, "answer": answer, "famous": famous}
+
+
+def test_drawn_facts_are_the_non_famous_hops_of_the_drawn_questions(recall):
+    drawn = [QA("t1", "q?", ["B"], {"hops": [hop("a", "A", famous=True), hop("b", "B")]}),
+             QA("t2", "q?", ["D"], {"hops": [hop("c", "C"), hop("d", "D")]})]
+    assert recall.drawn_facts(drawn) == {("b", "B"), ("c", "C"), ("d", "D")}
+    assert recall.drawn_facts([]) == set()
+
+
+def test_memory_rows_train_on_the_answer_from_memory_alone(recall, byte_tokenizer):
+    from searchlite.protocol import get_protocol
+    from searchlite.rollout import encode_prompt
+    from searchlite.teacher import Teacher
+
+    pp = get_protocol("r1_searcher_pp", "toy")
+    qa = [QA("t1", "Who founded Numel Works?", ["Rovo Thitas"], {"hops": [hop("n", "Rovo Thitas")]}),
+          QA("t2", "When was X born?", ["1852"], {"hops": [hop("x", "1852")]})]
+    rows = recall.memory_rows(qa, byte_tokenizer, pp, chat_template=False)
+    teacher = Teacher(byte_tokenizer, pp, qa)
+    for i, q in enumerate(qa):
+        ids, lm, att = rows.input_ids[i], rows.loss_mask[i].bool(), rows.attention_mask[i].bool()
+        trained = byte_tokenizer.decode(ids[lm].tolist(), skip_special_tokens=False)
+        assert trained == teacher.recall(q.answers[0])
+        assert "<|begin_internal_answer|>" in trained and "<|begin_external_search|>" not in trained
+        assert pp.parse(trained).content == q.answers[0]
+        prompt = encode_prompt(byte_tokenizer, pp, q.question, False)
+        assert ids[att][:len(prompt)].tolist() == prompt
+        assert not lm[att][:len(prompt)].any()  # the prompt is not trained
+        assert int(lm.sum()) == int(att.sum()) - len(prompt)
+
+
+def test_by_shared_fact_splits_test_questions_on_their_non_famous_hops(recall):
+    test = [QA("q1", "?", ["B"], {"hops": [hop("b", "B")]}),  # shares (b, B)
+            QA("q2", "?", ["A"], {"hops": [hop("a", "A", famous=True)]}),  # (a, A) is famous: not counted
+            QA("q3", "?", ["E"], {"hops": [hop("d", "D"), hop("e", "E")]}),  # shares (d, D)
+            QA("q4", "?", ["Z"], {"hops": [hop("b", "Z")]})]  # same passage, another value
+    records = [{"id": "q1", "em": 1.0, "searches": 0}, {"id": "q2", "em": 1.0, "searches": 0},
+               {"id": "q3", "em": 0.0, "searches": 1}, {"id": "q4", "em": 0.0, "searches": 1}]
+    got = recall.by_shared_fact(records, test, {("b", "B"), ("d", "D"), ("a", "A")})
+    assert got["shares"] == {"n": 2, "no_search": 0.5, "no_search_em": 1.0, "no_search_right": 0.5, "em": 0.5}
+    assert got["other"] == {"n": 2, "no_search": 0.5, "no_search_em": 1.0, "no_search_right": 0.5, "em": 0.5}
+    assert recall.by_shared_fact(records[:1], test, set())["other"]["n"] == 1
+    # searches left per question: q1 1 -> 0, q2 0, q3 2 -> 1, q4 1
+    assert recall.floor_with(test, set()) == pytest.approx(4 / 4)
+    assert recall.floor_with(test, {("b", "B"), ("d", "D"), ("a", "A")}) == pytest.approx(2 / 4)
+
+
+def test_ceiling_starts_from_the_start_model_and_trains_it(recall, byte_tokenizer, tmp_path):
+    from dataclasses import asdict
+
+    from conftest import make_tiny_llama
+    from searchlite.config import Config
+    from searchlite.data import write_jsonl
+
+    make_tiny_llama(byte_tokenizer).save_pretrained(tmp_path / "m")
+    byte_tokenizer.save_pretrained(tmp_path / "m")
+    write_jsonl(tmp_path / "c.jsonl", [{"id": "0", "contents": "Numel Works\nFounded by Rovo Thitas."}])
+    cfg = asdict(Config()) | {"model": str(tmp_path / "m"), "tokenizer": "", "corpus": str(tmp_path / "c.jsonl"),
+                              "retriever": "bm25", "protocol": "r1_searcher_pp", "template": "toy",
+                              "chat_template": False, "max_new_tokens": 8, "max_turns": 1, "lr": 3e-3, "seed": 0}
+    drawn = [QA("t1", "Who founded Numel Works?", ["Rovo"], {"hops": [hop("0", "Rovo")]})]
+    test = [QA("q1", "When was the founder of Numel Works born?", ["1900"],
+               {"hops": [hop("0", "Rovo"), hop("9", "1900")]}),
+            QA("q2", "Where is X?", ["Y"], {"hops": [hop("5", "Y")]})]
+    sets = {"drawn": drawn, "control": drawn}
+    out = list(recall.ceiling(cfg, sets, test, [0, 2]))
+    assert [e for e, *_ in out] == [0, 2]
+    start = {k: recall.recall(v) for k, v in recall.answer(str(tmp_path / "m"), sets, cfg).items()}
+    assert out[0][1] == start  # 0 epochs: the start model itself
+    for _, got, summary, split, nll in out:
+        assert split["shares"]["n"] == 1 and split["other"]["n"] == 1
+        assert 0.0 <= summary["em"] <= 1.0 and summary["rc"] >= 0.0
+    assert out[1][4] < out[0][4] - 0.1  # two epochs of SFT lowered the NLL of the answer from memory
