@@ -41,6 +41,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.r1pp_table import hop_kind  # noqa: E402
 from searchlite.config import resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 
@@ -112,7 +113,7 @@ def by_shared_fact(records: list[dict], test_qa: list, facts: set) -> dict:
     hops = {q.id: q.meta["hops"] for q in test_qa}
     out = {"shares": [], "other": []}
     for r in records:
-        shares = any((h["doc_id"], h["answer"]) in facts for h in hops[r["id"]] if not h["famous"])
+        shares = any(hop_kind(h, facts) == "train" for h in hops[r["id"]])
         out["shares" if shares else "other"].append(r)
     return {k: recall(v) for k, v in out.items()}
 
@@ -120,8 +121,7 @@ def by_shared_fact(records: list[dict], test_qa: list, facts: set) -> dict:
 def floor_with(test_qa: list, facts: set) -> float:
     """Retrievals per test question if every famous hop and every hop in `facts` were answered from
     memory and every other hop took one search (bench/r1pp_table.py's floors, with these facts)."""
-    return sum(not h["famous"] and (h["doc_id"], h["answer"]) not in facts
-               for q in test_qa for h in q.meta["hops"]) / len(test_qa)
+    return sum(hop_kind(h, facts) == "new" for q in test_qa for h in q.meta["hops"]) / len(test_qa)
 
 
 def ceiling(cfg: dict, sets: dict, test_qa: list, epochs: list[int]):
