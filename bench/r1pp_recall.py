@@ -70,22 +70,32 @@ def question_sets(cfg: dict, train_qa: list, limit: int) -> dict[str, list]:
     return {"drawn": [train_qa[i] for i in hit[:n]], "control": [train_qa[i] for i in rest[:n]]}
 
 
-def answer(model, sets: dict, cfg: dict) -> dict:
-    """Greedy search-agent answers of one model (a path, or a loaded policy) on each set: {set: records}."""
-    from searchlite.evaluation import score_qa
-    from searchlite.models import load_policy, load_tokenizer
+def agent(cfg: dict) -> SimpleNamespace:
+    """What a run's config says the search agent works with, built once: tokenizer, retriever (as
+    train.py builds it), protocol, and the rollout settings."""
+    from searchlite.models import load_tokenizer
     from searchlite.protocol import get_protocol
     from searchlite.retrieval import config_retriever
-    from searchlite.sampler import HFSampler
 
-    tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
-    policy = load_policy(model, cfg["dtype"], "cpu") if isinstance(model, (str, Path)) else model.eval()
-    sampler = HFSampler(policy, tokenizer, max_new_tokens=cfg["max_new_tokens"])
-    retriever = config_retriever(SimpleNamespace(**cfg))  # as train.py builds it
-    protocol = get_protocol(cfg["protocol"], cfg["template"])
     kw = dict(max_turns=cfg["max_turns"], topk=cfg["topk"], max_obs_tokens=cfg["max_obs_tokens"],
               max_len=cfg["max_len"], chat_template=cfg["chat_template"])
-    return {name: score_qa(sampler, retriever, tokenizer, protocol, qa, batch_size=64, progress=False, **kw)[1]
+    return SimpleNamespace(tokenizer=load_tokenizer(cfg["tokenizer"] or cfg["model"]),
+                           retriever=config_retriever(SimpleNamespace(**cfg)),
+                           protocol=get_protocol(cfg["protocol"], cfg["template"]), kw=kw)
+
+
+def answer(model, sets: dict, cfg: dict, ag: SimpleNamespace | None = None) -> dict:
+    """Greedy search-agent answers of one model (a path, or a loaded policy) on each set: {set: records}.
+    `ag`: the run's `agent`, built here when not given."""
+    from searchlite.evaluation import score_qa
+    from searchlite.models import load_policy
+    from searchlite.sampler import HFSampler
+
+    ag = ag or agent(cfg)
+    policy = load_policy(model, cfg["dtype"], "cpu") if isinstance(model, (str, Path)) else model.eval()
+    sampler = HFSampler(policy, ag.tokenizer, max_new_tokens=cfg["max_new_tokens"])
+    return {name: score_qa(sampler, ag.retriever, ag.tokenizer, ag.protocol, qa, batch_size=64, progress=False,
+                           **ag.kw)[1]
             for name, qa in sets.items()}
 
 
@@ -130,12 +140,11 @@ def ceiling(cfg: dict, sets: dict, test_qa: list, epochs: list[int]):
     the token-mean NLL of those answers)."""
     import torch
 
-    from searchlite.models import load_policy, load_tokenizer
-    from searchlite.protocol import get_protocol
+    from searchlite.models import load_policy
     from searchlite.sft import sft, sft_loss
 
-    tokenizer = load_tokenizer(cfg["tokenizer"] or cfg["model"])
-    rows = memory_rows(sets["drawn"], tokenizer, get_protocol(cfg["protocol"], cfg["template"]), cfg["chat_template"])
+    ag = agent(cfg)
+    rows = memory_rows(sets["drawn"], ag.tokenizer, ag.protocol, cfg["chat_template"])
     torch.manual_seed(cfg["seed"])
     model, done = load_policy(resolve_path(cfg["model"]), cfg["dtype"], "cpu"), 0
     facts = drawn_facts(sets["drawn"])
@@ -150,7 +159,7 @@ def ceiling(cfg: dict, sets: dict, test_qa: list, epochs: list[int]):
             chunks = [slice(s, s + 64) for s in range(0, len(rows), 64)]
             nll = sum(float(sft_loss(model, rows.input_ids[c], rows.loss_mask[c], rows.attention_mask[c]))
                       * float(rows.loss_mask[c].sum()) for c in chunks) / float(rows.loss_mask.sum())
-        got = answer(model, sets | {"test": test_qa}, cfg)
+        got = answer(model, sets | {"test": test_qa}, cfg, ag)
         test = got.pop("test")
         summary = {"em": sum(r["em"] for r in test) / len(test), "rc": sum(r["searches"] for r in test) / len(test)}
         yield e, {k: recall(v) for k, v in got.items()}, summary, by_shared_fact(test, test_qa, facts), nll
