@@ -32,5 +32,5 @@ for s in ${SEEDS:-}; do
   run "baseline-s$s" --seed "$s" --reward em --mem_coef 0
 done
 extra=$(for s in ${SEEDS:-}; do echo runs/r1pp-{full,nogroup,nomem,neither,baseline}-s$s; done)
-# the README's table, which hops each run answered without their passage, and the fewest retrievals the test set allows
+# the tables of bench/r1pp_results.md: EM / RC by type, which hops each run answered without their passage, and the fewest retrievals the test set allows
 "$PYTHON" bench/r1pp_table.py --runs runs/r1pp-{full,nogroup,nomem,neither,baseline,searchonly} $extra
