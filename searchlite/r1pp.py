@@ -6,12 +6,14 @@
 Stage 1 (§4.1), `stage1`: roll out `group` trajectories for each of `sft_questions` train
 questions under the internal/external protocol, keep the correct, well-formed, distinct ones
 (`rejection_sample`), SFT the model on them with retrieved tokens masked (searchlite.sft), and
-save it. The sampler is the model itself (`cold_start_sampler = "policy"`, the paper's way: a
-prompted instruct model) or, in the toy world, whose warm start never saw this protocol, the
-scripted teacher (`"teacher"`), which then plays the prompted model. A prompted instruct model
-can also follow the rewrite prompt below; a toy model cannot without seeing it done, so the
-teacher adds `sft_rewrites` demonstrations (`rewrite_demos`): a kept trajectory's documents in
-the rewrite prompt, answered from memory with that trajectory's (correct) answer.
+save it; each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl, so
+`--resume` after an interrupt samples only what is missing. The sampler is the model itself
+(`cold_start_sampler = "policy"`, the paper's way: a prompted instruct model) or, in the toy
+world, whose warm start never saw this protocol, the scripted teacher (`"teacher"`), which then
+plays the prompted model. A prompted instruct model can also follow the rewrite prompt below; a
+toy model cannot without seeing it done, so the teacher adds `sft_rewrites` demonstrations
+(`rewrite_demos`): a kept trajectory's documents in the rewrite prompt, answered from memory
+with that trajectory's (correct) answer.
 
 Stage 2 (§4.2), called by train.py when `reward = "r1pp"` or `mem_coef > 0`:
 - `reward_terms`: R = R_format (0 / -2) + R_answer (cover-EM, 0 past 10 words) + R_group,
@@ -40,7 +42,9 @@ other than the frozen stage-1 policy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 import re
 import sys
@@ -52,6 +56,7 @@ import torch
 from . import distributed as dist
 from .evaluation import encode_text, fill
 from .protocol import template_path
+from .retrieval import Hit
 from .rewards import cover_exact_match, format_reward, group_reward
 from .rollout import Rollout, _collate, encode_prompt, rollout
 from .sft import sft_loss
@@ -205,33 +210,103 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
 # ---------------------------------------------------------------------------- stage 1: cold start
 
 
+# The fields that decide what rejection sampling draws: a resumed stage 1 must not change them.
+SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data", "seed", "sft_questions", "group",
+                   "batch_size", "cold_start_sampler", "protocol", "template", "temperature", "top_p", "max_turns",
+                   "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
+                   "index", "retriever_url", "topk")
+
+
+def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
+    """The rejection-sampling log of `rejection_sample`: started afresh (its first line the
+    `fields`), or with `resume` an existing one, checked to hold the same `fields`, and a last
+    line cut short by an interrupt dropped so that the next batch follows the last whole one."""
+    if not resume or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"fields": fields}) + "\n")
+        return path
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0])["fields"]
+    except (IndexError, KeyError, TypeError, json.JSONDecodeError):
+        sys.exit(f"error: {path}:1: not a rejection-sampling log (no fields line); "
+                 "rerun without --resume to sample afresh")
+    for k, v in fields.items():
+        if head.get(k) != v:
+            sys.exit(f"error: {path}:1: sampled with {k} = {head.get(k)!r}, this run has {k} = {v!r}; "
+                     f"rerun with --{k} {head.get(k)}, or without --resume to sample afresh")
+    for n, line in enumerate(lines[1:], 2):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            if n < len(lines):
+                sys.exit(f"error: {path}:{n}: not JSON; rerun without --resume to sample afresh")
+            print(f"{path}:{n}: dropped a batch cut short by the interrupt", flush=True)
+            path.write_text("\n".join(lines[:n - 1]) + "\n")
+    return path
+
+
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
-                     **rollout_kw) -> tuple[Rollout | None, dict, list[str]]:
+                     log: Path | None = None, **rollout_kw) -> tuple[Rollout | None, dict, list[str]]:
     """Roll out `samples` trajectories per question (`batch_size` questions a call); keep the
     correct, well-formed ones, each distinct trajectory once (§4.1). Returns (kept or None, counts,
-    the question of each kept row)."""
+    the question of each kept row).
+
+    With `log` (a JSONL file from `open_sampling_log`), each finished batch is appended as one
+    line (its kept rows, counts and the sampler's state), and the batches already there are read
+    back instead of sampled again: a stage 1 interrupted after hours of sampling resumes at its
+    next batch, with the result of an uninterrupted run."""
     from tqdm import tqdm
 
     kept, seen, asked = [], set(), []  # kept: (prompt ids, response ids, response mask, searches, turns, answer, docs)
     n = {"questions": len(qa), "sampled": 0, "well_formed": 0, "correct": 0}
     size = batch_size or len(qa)
-    for s in tqdm(range(0, len(qa), size), desc="rejection sampling"):
+
+    def keep(row: dict) -> None:
+        key = tuple(row["prompt"] + row["response"])
+        if key not in seen:
+            seen.add(key)
+            kept.append((row["prompt"], row["response"], row["mask"], row["searches"], row["turns"], row["answer"],
+                         row["docs"]))
+            asked.append(row["question"])
+
+    start = 0
+    for line in log.read_text().splitlines()[1:] if log else []:  # the batches of an interrupted run
+        batch = json.loads(line)
+        start = batch["next"]
+        sampler.load_state_dict(batch["sampler"])
+        for k in ("sampled", "well_formed", "correct"):
+            n[k] += batch["counts"][k]
+        for row in batch["rows"]:
+            keep(row | {"docs": [Hit(**h) for h in row["docs"]]})
+    for s in tqdm(range(start, len(qa), size), desc="rejection sampling", initial=start // size,
+                  total=-(-len(qa) // size)):
         questions = [q for q in qa[s:s + size] for _ in range(samples)]
         ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions], **rollout_kw)
+        counts, rows = {"sampled": 0, "well_formed": 0, "correct": 0}, []
         for i, q in enumerate(questions):
             ok = well_formed(ro.responses[i], protocol)
             right = ok and cover_exact_match(ro.answers[i], q.answers) == 1.0
-            n["sampled"] += 1
-            n["well_formed"] += ok
-            n["correct"] += right
+            counts["sampled"] += 1
+            counts["well_formed"] += ok
+            counts["correct"] += right
             p, end = int(ro.prompt_len[i]), int(ro.attention_mask[i].sum())
-            key = tuple(ro.input_ids[i, :end].tolist())
-            if right and key not in seen:
-                seen.add(key)
-                kept.append((ro.input_ids[i, :p].tolist(), ro.input_ids[i, p:end].tolist(),
-                             ro.loss_mask[i, p:end].tolist(), int(ro.searches[i]), int(ro.turns[i]), ro.answers[i],
-                             ro.docs[i]))
-                asked.append(q.question)
+            if right:
+                rows.append({"question": q.question, "prompt": ro.input_ids[i, :p].tolist(),
+                             "response": ro.input_ids[i, p:end].tolist(), "mask": ro.loss_mask[i, p:end].tolist(),
+                             "searches": int(ro.searches[i]), "turns": int(ro.turns[i]), "answer": ro.answers[i],
+                             "docs": ro.docs[i]})
+        for k, v in counts.items():
+            n[k] += v
+        for row in rows:
+            keep(row)
+        if log:  # one whole line per batch, on disk before the next batch starts
+            batch = {"next": s + size, "counts": counts, "sampler": sampler.state_dict(),
+                     "rows": [r | {"docs": [dataclasses.asdict(h) for h in r["docs"]]} for r in rows]}
+            with open(log, "a") as f:
+                f.write(json.dumps(batch) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
     n["kept"] = len(kept)
     n["kept_internal"] = sum(k[3] == 0 for k in kept)
     n["questions_kept"] = len({tuple(k[0]) for k in kept})
@@ -289,6 +364,10 @@ def stage1(cfg) -> Path:
         sys.exit("error: --sft_rewrites needs --cold_start_sampler teacher (it writes the demonstrations); "
                  "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
     out = Path(cfg.out_dir)
+    if cfg.resume and (out / "stage1.json").exists():
+        print(f"--resume: stage 1 already finished in {out} ({out / 'model'})", flush=True)
+        return out / "model"
+    (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
     print(f"config:\n{format_config(cfg)}", flush=True)
     save_config(cfg, out / "config.json")
     torch.manual_seed(cfg.seed)
@@ -312,8 +391,10 @@ def stage1(cfg) -> Path:
     else:
         sys.exit(f"error: unknown --cold_start_sampler {cfg.cold_start_sampler!r} (valid: policy, teacher)")
     t_sample = time.time()
+    log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},
+                            cfg.resume)
     kept, counts, asked = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
-                                           max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
+                                           log, max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
                                            max_len=cfg.max_len, chat_template=cfg.chat_template)
     print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
     counts["t_sample"] = time.time() - t_sample
@@ -348,6 +429,8 @@ R1-Searcher++ stage 1, the SFT cold start (see this module's docstring). Reads m
 train_data, the retrieval and rollout fields, group (samples per question), batch_size
 (questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr, sft_rewrites and
 sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
+Each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl: after an
+interrupt, the same command with --resume samples only the batches still missing.
 Every field: python -m searchlite.r1pp stage1 --help."""
 
 

@@ -45,7 +45,11 @@ class Teacher:
                 for p in prompts]
 
     def state_dict(self) -> dict:
-        return {}
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]  # JSON turns the state's tuples into lists
+        self.rng.setstate((version, tuple(internal), gauss))
 
     # -------------------------------------------------------------- one turn
     def turn(self, context: str) -> str:

@@ -173,6 +173,85 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
 # ---------------------------------------------------------------------------- memorization (stage 2)
 
 
+def _toy_sampling(n_questions: int = 12):
+    """The toy world's tokenizer, retriever and first train questions, for rejection sampling with the teacher."""
+    from searchlite.config import TOY_DIR
+    from searchlite.data import read_qa
+    from searchlite.retrieval import build_retriever
+
+    return (load_tokenizer(str(TOY_DIR)), build_retriever("bm25", TOY_DIR / "corpus.jsonl"),
+            read_qa(TOY_DIR / "train.jsonl")[:n_questions])
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _sample(tok, retriever, qa, log=None, stop_after=None, seed=0):
+    """rejection_sample with the teacher, 2 samples a question, 4 questions a batch; with
+    `stop_after`, the teacher raises Interrupted at that generate call (an interrupt)."""
+    from searchlite.teacher import Teacher
+
+    teacher = Teacher(tok, PP, qa, seed=seed)
+    calls, generate = [0], teacher.generate
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        if calls[0] == stop_after:
+            raise Interrupted
+        return generate(*args, **kw)
+
+    teacher.generate = counted
+    kept, n, asked = r1pp.rejection_sample(teacher, retriever, tok, PP, qa, samples=2, batch_size=4, log=log,
+                                           max_turns=4, topk=3, chat_template=False)
+    return kept, n, asked, calls[0]
+
+
+def test_rejection_sampling_resumes_where_it_stopped(tmp_path, capsys):
+    tok, retriever, qa = _toy_sampling()
+    fields = {"group": 2, "batch_size": 4, "seed": 0}
+    whole, n_whole, asked_whole, calls_whole = _sample(tok, retriever, qa,
+                                                       r1pp.open_sampling_log(tmp_path / "a.jsonl", fields, False))
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 1 + 3  # the fields, then one line a batch
+    log = r1pp.open_sampling_log(tmp_path / "b.jsonl", fields, False)
+    with pytest.raises(Interrupted):
+        _sample(tok, retriever, qa, log, stop_after=calls_whole // 2 + 1)
+    done = len(log.read_text().splitlines()) - 1
+    assert 1 <= done < 3  # interrupted after a whole batch, before the last
+    with open(log, "a") as f:
+        f.write('{"next": 12, "counts": {"sampl')  # a line the interrupt cut short
+    log = r1pp.open_sampling_log(log, fields, resume=True)
+    assert "dropped a batch cut short" in capsys.readouterr().out
+    resumed, n_resumed, asked_resumed, calls = _sample(tok, retriever, qa, log)
+    assert 0 < calls < calls_whole  # only the missing batches were sampled
+    assert n_resumed == n_whole and asked_resumed == asked_whole
+    assert torch.equal(resumed.input_ids, whole.input_ids) and torch.equal(resumed.loss_mask, whole.loss_mask)
+    assert resumed.docs == whole.docs and resumed.answers == whole.answers
+    assert log.read_text() == (tmp_path / "a.jsonl").read_text()
+    # the teacher's random state travels in the log: resumed from its first state instead, batches 2-3 differ
+    from searchlite.teacher import Teacher
+
+    first = json.loads(log.read_text().splitlines()[1]) | {"sampler": Teacher(tok, PP, qa, seed=0).state_dict()}
+    stale = r1pp.open_sampling_log(tmp_path / "c.jsonl", fields, False)
+    with open(stale, "a") as f:
+        f.write(json.dumps(first) + "\n")
+    other = _sample(tok, retriever, qa, stale)[0]
+    assert [other.responses, other.answers] != [whole.responses, whole.answers]
+
+
+def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
+    fields = {"group": 2, "seed": 0, "model": "m"}
+    log = r1pp.open_sampling_log(tmp_path / "log.jsonl", fields, False)
+    with pytest.raises(SystemExit, match=r"log.jsonl:1: sampled with group = 2, this run has group = 3; "
+                                         r"rerun with --group 2, or without --resume"):
+        r1pp.open_sampling_log(log, fields | {"group": 3}, resume=True)
+    with open(log, "a") as f:
+        f.write("not json\n{}\n")
+    with pytest.raises(SystemExit, match="log.jsonl:2: not JSON"):  # only the last line may be cut short
+        r1pp.open_sampling_log(log, fields, resume=True)
+    assert r1pp.open_sampling_log(log, fields, resume=False).read_text() == json.dumps({"fields": fields}) + "\n"
+
+
 def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
     tok = byte_tokenizer
     doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
@@ -278,6 +357,12 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
     assert 0 < counts["rewrite_demos"] <= min(2, counts["kept"] - counts["kept_internal"])
     assert (out / "model" / "model.safetensors").exists() and (out / "trajectories" / "kept.html").exists()
+    lines = (out / "rejection_sampling.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["fields"]["group"] == 2 and json.loads(lines[1])["next"] == 6
+    assert sum(len(json.loads(line)["rows"]) for line in lines[1:]) >= counts["kept"]
+    stamp = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), "--resume"])
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == stamp  # finished: nothing redone
 
 
 def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
