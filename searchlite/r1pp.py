@@ -219,31 +219,39 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
 
 def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
     """The rejection-sampling log of `rejection_sample`: started afresh (its first line the
-    `fields`), or with `resume` an existing one, checked to hold the same `fields`, and a last
-    line cut short by an interrupt dropped so that the next batch follows the last whole one."""
+    `fields`), or with `resume` an existing one, checked to hold the same `fields`."""
     if not resume or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"fields": fields}) + "\n")
         return path
-    lines = path.read_text().splitlines()
+    with open(path) as f:
+        first = f.readline()
     try:
-        head = json.loads(lines[0])["fields"]
-    except (IndexError, KeyError, TypeError, json.JSONDecodeError):
+        head = json.loads(first)["fields"]
+    except (KeyError, TypeError, json.JSONDecodeError):
         sys.exit(f"error: {path}:1: not a rejection-sampling log (no fields line); "
                  "rerun without --resume to sample afresh")
     for k, v in fields.items():
         if head.get(k) != v:
             sys.exit(f"error: {path}:1: sampled with {k} = {head.get(k)!r}, this run has {k} = {v!r}; "
                      f"rerun with --{k} {head.get(k)}, or without --resume to sample afresh")
+    return path
+
+
+def read_sampling_log(path: Path) -> list[dict]:
+    """The finished batches in a rejection-sampling log. A last line cut short by an interrupt
+    is dropped from the file, so that the next batch follows the last whole one."""
+    lines = path.read_text().splitlines()
+    batches = []
     for n, line in enumerate(lines[1:], 2):
         try:
-            json.loads(line)
+            batches.append(json.loads(line))
         except json.JSONDecodeError:
             if n < len(lines):
                 sys.exit(f"error: {path}:{n}: not JSON; rerun without --resume to sample afresh")
             print(f"{path}:{n}: dropped a batch cut short by the interrupt", flush=True)
             path.write_text("\n".join(lines[:n - 1]) + "\n")
-    return path
+    return batches
 
 
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
@@ -258,21 +266,21 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
     next batch, with the result of an uninterrupted run."""
     from tqdm import tqdm
 
-    kept, seen, asked = [], set(), []  # kept: (prompt ids, response ids, response mask, searches, turns, answer, docs)
+    kept, seen = [], set()  # kept: a row (question, prompt and response ids, mask, ...) per distinct trajectory
     n = {"questions": len(qa), "sampled": 0, "well_formed": 0, "correct": 0}
     size = batch_size or len(qa)
 
-    def keep(row: dict) -> None:
+    def keep(row: dict) -> bool:
+        """Keep `row` unless the same trajectory is kept already; says whether it was kept."""
         key = tuple(row["prompt"] + row["response"])
-        if key not in seen:
-            seen.add(key)
-            kept.append((row["prompt"], row["response"], row["mask"], row["searches"], row["turns"], row["answer"],
-                         row["docs"]))
-            asked.append(row["question"])
+        if key in seen:
+            return False
+        seen.add(key)
+        kept.append(row)
+        return True
 
     start = 0
-    for line in log.read_text().splitlines()[1:] if log else []:  # the batches of an interrupted run
-        batch = json.loads(line)
+    for batch in read_sampling_log(log) if log else []:  # the batches of an interrupted run
         start = batch["next"]
         sampler.load_state_dict(batch["sampler"])
         for k in ("sampled", "well_formed", "correct"):
@@ -298,8 +306,7 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
                              "docs": ro.docs[i]})
         for k, v in counts.items():
             n[k] += v
-        for row in rows:
-            keep(row)
+        rows = [row for row in rows if keep(row)]
         if log:  # one whole line per batch, on disk before the next batch starts
             batch = {"next": s + size, "counts": counts, "sampler": sampler.state_dict(),
                      "rows": [r | {"docs": [dataclasses.asdict(h) for h in r["docs"]]} for r in rows]}
@@ -308,12 +315,13 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
                 f.flush()
                 os.fsync(f.fileno())
     n["kept"] = len(kept)
-    n["kept_internal"] = sum(k[3] == 0 for k in kept)
-    n["questions_kept"] = len({tuple(k[0]) for k in kept})
+    n["kept_internal"] = sum(r["searches"] == 0 for r in kept)
+    n["questions_kept"] = len({tuple(r["prompt"]) for r in kept})
     if not kept:
         return None, n, []
-    prompts, resp, mask, searches, turns, answers, docs = (list(col) for col in zip(*kept))
-    return _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer), n, asked
+    col = lambda k: [r[k] for r in kept]  # noqa: E731
+    return _collate(col("prompt"), col("response"), col("mask"), col("searches"), col("turns"), col("answer"),
+                    col("docs"), tokenizer), n, col("question")
 
 
 def rewrite_demos(kept: Rollout, asked: list[str], tokenizer, protocol, template: str, recall, n: int,
