@@ -14,7 +14,8 @@ Both readers skip blank lines and nothing else: any other bad line raises `DataE
 the file, the 1-based line number and what is wrong. An `id` may be an integer in the file
 (it becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`.
 Answers must be non-empty strings: an empty gold answer would match an empty prediction.
-Files ending in `.gz` are read and written gzipped. Corpora too large to hold as a list
+Files ending in `.gz` are read and written gzipped. `append_log` / `read_log` keep an
+append-only JSONL log that survives an interrupt (evaluate.py's records, stage 1's sampling). Corpora too large to hold as a list
 (wiki-18: 21M passages) are read lazily by `searchlite.corpus.Corpus` with the same per-line
 rules. Left out on purpose: Parquet and HF `datasets`.
 """
@@ -202,6 +203,25 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
         for row in rows:
             f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
     os.replace(tmp, path)
+
+
+def read_log(path) -> list[dict]:
+    """The records of an append-only JSONL log (`append_log`). A last line without its newline
+    was torn by an interrupt: it is cut from the file, so the next append starts a whole line."""
+    path = Path(path)
+    raw = path.read_bytes()
+    keep = raw[: raw.rfind(b"\n") + 1]
+    if len(keep) != len(raw):
+        path.write_bytes(keep)
+    return [obj for n, line in enumerate(keep.splitlines(), 1) if (obj := parse_object(line, path, n)) is not None]
+
+
+def append_log(path, records: list[dict]) -> None:
+    """Append `records` to a JSONL log, a line each, on disk before the caller moves on."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def passage_to_dict(p: Passage) -> dict:

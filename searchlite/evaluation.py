@@ -38,6 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .data import append_log, read_log
 from .protocol import TEMPLATE_DIR
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
@@ -200,15 +201,8 @@ class RecordLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: dict[tuple, dict] = {}
-        if self.path.exists():
-            raw = self.path.read_bytes()
-            keep = raw[: raw.rfind(b"\n") + 1]  # a line without its newline was torn by an interruption
-            if len(keep) != len(raw):
-                self.path.write_bytes(keep)
-            for line in keep.decode("utf-8").splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    self.done.setdefault(self.key(r), r)
+        for r in read_log(self.path) if self.path.exists() else []:
+            self.done.setdefault(self.key(r), r)
 
     @staticmethod
     def key(r: dict) -> tuple:
@@ -216,10 +210,7 @@ class RecordLog:
 
     def add(self, records: list[dict]) -> None:
         """Append records and force them to disk before the caller moves on."""
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+        append_log(self.path, records)
         for r in records:
             self.done.setdefault(self.key(r), r)
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import re
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as dist
+from .data import DataError, append_log, read_log
 from .evaluation import encode_text, fill
 from .protocol import template_path
 from .retrieval import Hit
@@ -218,11 +218,12 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
 
 
 def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
-    """The rejection-sampling log of `rejection_sample`: started afresh (its first line the
-    `fields`), or with `resume` an existing one, checked to hold the same `fields`."""
+    """The rejection-sampling log of `rejection_sample` (data.append_log): started afresh, its
+    first line the `fields`, or with `resume` an existing one, checked to hold the same `fields`."""
     if not resume or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"fields": fields}) + "\n")
+        path.unlink(missing_ok=True)
+        append_log(path, [{"fields": fields}])
         return path
     with open(path) as f:
         first = f.readline()
@@ -236,22 +237,6 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
             sys.exit(f"error: {path}:1: sampled with {k} = {head.get(k)!r}, this run has {k} = {v!r}; "
                      f"rerun with --{k} {head.get(k)}, or without --resume to sample afresh")
     return path
-
-
-def read_sampling_log(path: Path) -> list[dict]:
-    """The finished batches in a rejection-sampling log. A last line cut short by an interrupt
-    is dropped from the file, so that the next batch follows the last whole one."""
-    lines = path.read_text().splitlines()
-    batches = []
-    for n, line in enumerate(lines[1:], 2):
-        try:
-            batches.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n < len(lines):
-                sys.exit(f"error: {path}:{n}: not JSON; rerun without --resume to sample afresh")
-            print(f"{path}:{n}: dropped a batch cut short by the interrupt", flush=True)
-            path.write_text("\n".join(lines[:n - 1]) + "\n")
-    return batches
 
 
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
@@ -280,7 +265,7 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
         return True
 
     start = 0
-    for batch in read_sampling_log(log) if log else []:  # the batches of an interrupted run
+    for batch in read_log(log)[1:] if log else []:  # the batches of an interrupted run (line 1: the fields)
         start = batch["next"]
         sampler.load_state_dict(batch["sampler"])
         for k in ("sampled", "well_formed", "correct"):
@@ -307,13 +292,10 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
         for k, v in counts.items():
             n[k] += v
         rows = [row for row in rows if keep(row)]
-        if log:  # one whole line per batch, on disk before the next batch starts
+        if log:  # one line per batch, on disk before the next batch starts
             batch = {"next": s + size, "counts": counts, "sampler": sampler.state_dict(),
                      "rows": [r | {"docs": [dataclasses.asdict(h) for h in r["docs"]]} for r in rows]}
-            with open(log, "a") as f:
-                f.write(json.dumps(batch) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_log(log, [batch])
     n["kept"] = len(kept)
     n["kept_internal"] = sum(r["searches"] == 0 for r in kept)
     n["questions_kept"] = len({tuple(r["prompt"]) for r in kept})
@@ -450,9 +432,9 @@ def main(argv=None) -> None:
         sys.exit(USAGE)
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft")
-    except ConfigError as e:
+        stage1(cfg)
+    except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log
         sys.exit(f"error: {e}")
-    stage1(cfg)
 
 
 if __name__ == "__main__":
