@@ -11,13 +11,13 @@ form: the first line of `contents` is the title in double quotes, the rest is th
 place of `golden_answers`, and every other field is kept in `QA.meta`.
 
 Both readers skip blank lines and nothing else: any other bad line raises `DataError` naming
-the file, the 1-based line number and what is wrong. An `id` may be an integer in the file
-(it becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`.
-Answers must be non-empty strings: an empty gold answer would match an empty prediction.
-Files ending in `.gz` are read and written gzipped. `append_log` / `read_log` keep an
-append-only JSONL log that survives an interrupt (evaluate.py's records, stage 1's sampling). Corpora too large to hold as a list
-(wiki-18: 21M passages) are read lazily by `searchlite.corpus.Corpus` with the same per-line
-rules. Left out on purpose: Parquet and HF `datasets`.
+the file, the 1-based line number and what is wrong. An `id` may be an integer in the file (it
+becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`. Answers
+must be non-empty strings: an empty gold answer would match an empty prediction. Files ending
+in `.gz` are read and written gzipped. `append_log` / `read_log` keep an append-only JSONL log
+that survives an interrupt (evaluate.py's records, stage 1's sampling). Corpora too large to
+hold as a list (wiki-18: 21M passages) are read lazily by `searchlite.corpus.Corpus` with the
+same per-line rules. Left out on purpose: Parquet and HF `datasets`.
 """
 
 from __future__ import annotations
