@@ -2,7 +2,8 @@
 # R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its ablations (the paper's
 # Table 2) and plain REINFORCE++ with the EM reward, each from the same stage-1 model. 13 to 20
 # minutes a run on one CPU core (20 with another run on the second core; stage 1: ~9 more).
-# Rerunning skips a finished stage 1.
+# Rerunning continues where it stopped (--resume): finished runs are skipped, an interrupted stage 1
+# samples only its missing batches, an interrupted run resumes from its last checkpoint.
 #
 #   bash bench/r1pp_ablation.sh        # writes runs/r1pp-{full,nogroup,nomem,neither,baseline,searchonly}
 #   SEEDS="1 2" bash bench/r1pp_ablation.sh   # and then the five stage-2 runs again with each of
@@ -16,14 +17,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-[ -f runs/toy-r1pp-sft/model/model.safetensors ] || "$PYTHON" -m searchlite.r1pp stage1 --preset toy-r1pp-sft
-run() { name=$1; shift; echo "== $name"; "$PYTHON" train.py --preset toy-r1pp --out_dir "runs/r1pp-$name" "$@"; }
+"$PYTHON" -m searchlite.r1pp stage1 --preset toy-r1pp-sft --resume
+run() { name=$1; shift; echo "== $name"; "$PYTHON" train.py --preset toy-r1pp --out_dir "runs/r1pp-$name" --resume "$@"; }
 run full
 run nogroup --group_reward false
 run nomem --mem_coef 0
 run neither --group_reward false --mem_coef 0
 run baseline --reward em --mem_coef 0
-echo "== searchonly"; "$PYTHON" train.py --algo reinforce_pp --reward em --out_dir runs/r1pp-searchonly
+echo "== searchonly"; "$PYTHON" train.py --algo reinforce_pp --reward em --out_dir runs/r1pp-searchonly --resume
 for s in ${SEEDS:-}; do
   run "full-s$s" --seed "$s"
   run "nogroup-s$s" --seed "$s" --group_reward false
