@@ -32,7 +32,7 @@ import torch
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
 from searchlite.config import ConfigError, format_config, parse_args, resolve_path, save_config
-from searchlite.data import read_qa
+from searchlite.data import read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
@@ -278,6 +278,9 @@ def main(argv=None) -> None:
             print(f"resumed from {ckpt} at step {start}", flush=True)
     elif cfg.resume and dist.is_main():
         print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
+    if dist.is_main():  # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
+        rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
+        write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
     metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None
     if start == 0:
         row = {"step": 0, **{f"eval/{k}": v for k, v in evaluate(0).items()}}

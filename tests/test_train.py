@@ -72,6 +72,30 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward):
+    """A fresh run in a used folder starts metrics.jsonl anew; a run interrupted after its last
+    checkpoint and resumed logs the steps it redoes once, not twice."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    rewards, calls = train.compute_rewards, []
+
+    def interrupted(ro, qs):  # step 4's rewards: an interrupt after step 3 was logged, with the checkpoint at 2
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return rewards(ro, qs)
+
+    monkeypatch.setattr(train, "compute_rewards", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2"]))
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
+    monkeypatch.setattr(train, "compute_rewards", rewards)
+    train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2", "--resume"]))
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
+
+
 def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "nan"
     train.main(args(tiny_model, out, "grpo", steps=1))
