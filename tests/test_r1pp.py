@@ -170,9 +170,6 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     assert r1pp.join(kept, None, tok) is kept
 
 
-# ---------------------------------------------------------------------------- memorization (stage 2)
-
-
 def _toy_sampling(n_questions: int = 12):
     """The toy world's tokenizer, retriever and first train questions, for rejection sampling with the teacher."""
     from searchlite.config import TOY_DIR
@@ -187,12 +184,12 @@ class Interrupted(Exception):
     pass
 
 
-def _sample(tok, retriever, qa, log=None, stop_after=None, seed=0):
+def _sample(tok, retriever, qa, log=None, stop_after=None):
     """rejection_sample with the teacher, 2 samples a question, 4 questions a batch; with
     `stop_after`, the teacher raises Interrupted at that generate call (an interrupt)."""
     from searchlite.teacher import Teacher
 
-    teacher = Teacher(tok, PP, qa, seed=seed)
+    teacher = Teacher(tok, PP, qa, seed=0)
     calls, generate = [0], teacher.generate
 
     def counted(*args, **kw):
@@ -249,6 +246,9 @@ def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
     with pytest.raises(DataError, match="log.jsonl:2: bad JSON"):  # only the last line may be cut short
         read_log(log)
     assert r1pp.open_sampling_log(log, fields, resume=False).read_text() == json.dumps({"fields": fields}) + "\n"
+
+
+# ---------------------------------------------------------------------------- memorization (stage 2)
 
 
 def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
