@@ -384,8 +384,9 @@ def stage1(cfg) -> Path:
     log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},
                             cfg.resume)
     kept, counts, asked = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
-                                           log, max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens,
-                                           max_len=cfg.max_len, chat_template=cfg.chat_template)
+                                           log, max_turns=cfg.max_turns, topk=cfg.topk,
+                                           max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
+                                           chat_template=cfg.chat_template)
     print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
     counts["t_sample"] = time.time() - t_sample
     if kept is None:
