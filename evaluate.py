@@ -37,13 +37,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import resolve_path
+from searchlite.config import is_hub_name, resolve_path
 from searchlite.data import DataError, read_qa
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
 
@@ -100,7 +99,7 @@ def resolve_model(spec: str) -> tuple[str, str]:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return "gguf", str(ggufs[0])
-    elif not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith(("toy/", ".")):
+    elif is_hub_name(spec):
         return "hf", spec  # a hub name: transformers resolves it (or says why not)
     what = "does not exist" if not path.exists() else "is not a model"
     raise EvalError(f"--model {spec}: {path} {what}. Expected a Hugging Face folder (config.json + weights), "

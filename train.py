@@ -31,8 +31,8 @@ import torch
 
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
-from searchlite.config import ConfigError, format_config, parse_args, resolve_path, save_config
-from searchlite.data import read_log, read_qa, write_jsonl
+from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
+from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
@@ -173,11 +173,10 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     try:
         cfg = parse_args(argv)
+        check_config(cfg)  # choices, counts, files and prompts, before anything is loaded
         check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    if cfg.reward not in ("em", "r1pp"):
-        sys.exit(f"error: unknown --reward {cfg.reward!r} (valid: em, r1pp)")
     out = Path(cfg.out_dir)
     device = dist.init(pick_device(cfg.device))  # torchrun: join the process group; on GPU, cuda:LOCAL_RANK
     try:
@@ -222,7 +221,10 @@ def main(argv=None) -> None:
     if critic is not None:
         critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay,
                                                   cfg.critic_warmup_steps, cfg.optimizer)
-    train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+    try:
+        train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+    except DataError as e:  # names the file, line and field
+        sys.exit(f"error: {e}")
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
     retriever = config_retriever(cfg)
@@ -232,12 +234,10 @@ def main(argv=None) -> None:
                     batch_size=cfg.gen_batch_size)
     if cfg.sampler == "hf":
         sampler = HFSampler(policy, tokenizer, **sampling)
-    elif cfg.sampler == "vllm":  # vLLM in this process, built from the starting model, then given the policy's weights
+    else:  # vLLM in this process, built from the starting model, then given the policy's weights
         sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
         with dist.gathered(policy):
             sampler.push_weights(policy)  # a resumed or LoRA policy is not cfg.model's weights
-    else:
-        sys.exit(f"error: unknown --sampler {cfg.sampler!r} (valid: hf, vllm)")
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                       chat_template=cfg.chat_template)
     rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)

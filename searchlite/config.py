@@ -226,6 +226,89 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     return cfg
 
 
+CHOICES = {  # fields that take one of a few values
+    "device": ("auto", "cpu", "cuda"),  # and cuda:N
+    "parallel": ("auto", "ddp", "fsdp"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "retriever": ("bm25", "rank_bm25", "dense", "http"),
+    "pooling": ("mean", "cls"),
+    "protocol": ("search_r1", "r1_searcher_pp"),
+    "sampler": ("hf", "vllm"),
+    "algo": ("grpo", "ppo", "reinforce_pp"),
+    "kl_kind": ("k1", "k3"),
+    "loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "reward": ("em", "r1pp"),
+    "cold_start_sampler": ("policy", "teacher"),
+}
+AT_LEAST = {"steps": 0, "group": 1, "batch_size": 1, "micro_batch_size": 1, "mini_batch_size": 0, "ppo_epochs": 1,
+            "topk": 1, "max_turns": 0, "max_new_tokens": 1, "max_len": 1, "gen_batch_size": 0, "sft_epochs": 1,
+            "sft_batch_size": 1, "sft_questions": 0, "sft_rewrites": 0, "eval_every": 0, "eval_size": 0,
+            "save_every": 0, "log_trajectories_every": 0, "warmup_steps": 0, "critic_warmup_steps": 0}
+
+
+def is_hub_name(spec: str) -> bool:
+    """True for a Hugging Face hub name (org/name) that is not a path here; `toy/...` is always a path."""
+    return (re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith(("toy/", "."))
+            and not Path(spec).exists())
+
+
+def check_config(cfg: Config) -> None:
+    """Raise ConfigError for a value no run can use, before any model or data is loaded: an
+    unknown choice, a count out of range, a missing file, settings that contradict each other."""
+    from .protocol import rewrite_path, template_path
+
+    for name, valid in CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in valid and not (name == "device" and re.fullmatch(r"cuda:\d+", value)):
+            raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
+    for name, low in AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA GPU here; "
+                              "use --device cpu (or auto, which picks the GPU when there is one)")
+    for name in ("model", "tokenizer"):
+        spec = getattr(cfg, name)
+        if spec and not Path(resolve_path(spec)).exists() and not is_hub_name(spec):
+            hint = (" (an earlier run's output: has that run finished? R1-Searcher++'s stage 2 starts from "
+                    "stage 1's model: python -m searchlite.r1pp stage1 --preset toy-r1pp-sft)"
+                    if cfg.protocol == "r1_searcher_pp" else "")
+            raise ConfigError(f"--{name} {spec}: no such folder{hint}; expected a Hugging Face model folder "
+                              "(config.json + weights) or a hub name (org/name)")
+    files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
+    for name in files + (["index"] if cfg.index else []):
+        if not Path(resolve_path(getattr(cfg, name))).exists():
+            raise ConfigError(f"--{name} {getattr(cfg, name)}: no such file")
+    if cfg.retriever == "http" and not cfg.retriever_url:
+        raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
+                          "http://127.0.0.1:8000; start one with python retrieve.py serve)")
+    if cfg.retriever == "dense" and not (cfg.encoder or cfg.index):
+        raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
+    prompt = template_path(cfg.protocol, cfg.template)
+    if not prompt.exists():
+        raise ConfigError(f"--template {cfg.template!r}: {prompt} does not exist; give a prompt file with "
+                          f"{{question}}, or a set here: {', '.join(_template_sets(cfg.protocol))}")
+    if cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
+        raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
+                          f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "
+                          "--protocol r1_searcher_pp)")
+
+
+def _closest_value(value, valid) -> str:
+    match = difflib.get_close_matches(str(value), valid, n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _template_sets(name: str) -> list[str]:
+    from .protocol import TEMPLATE_DIR
+
+    return sorted(p.name.removesuffix(f"_{name}.txt") for p in TEMPLATE_DIR.glob(f"*_{name}.txt")) + [
+        "'' (the paper's)"] * (TEMPLATE_DIR / f"{name}.txt").exists()
+
+
 def _preset_names(path: Path) -> list[str]:
     with open(path, "rb") as f:
         return list(tomllib.load(f))

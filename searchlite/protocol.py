@@ -152,6 +152,13 @@ def template_path(name: str, template: str = "") -> Path:
     return Path(template)
 
 
+def rewrite_path(name: str, template: str = "") -> Path:
+    """R1-Searcher++'s rewrite prompt for protocol `name`: templates/<set>_<name>_rewrite.txt for a
+    template set (e.g. "toy"), else the paper-style templates/<name>_rewrite.txt."""
+    is_set = bool(template) and "/" not in template and "." not in template
+    return template_path(f"{name}_rewrite", template if is_set else "")
+
+
 def get_protocol(name: str, template: str = "") -> Protocol:
     """The protocol `name` with its template (see `template_path`)."""
     if name == "search_r1":

@@ -55,7 +55,7 @@ import torch
 from . import distributed as dist
 from .data import DataError, append_log, read_log
 from .evaluation import encode_text, fill
-from .protocol import template_path
+from .protocol import rewrite_path
 from .retrieval import Hit
 from .rewards import cover_exact_match, format_reward, group_reward
 from .rollout import Rollout, _collate, encode_prompt, rollout
@@ -111,8 +111,7 @@ def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_grou
 def rewrite_template(protocol, template: str = "") -> str:
     """The rewrite prompt, with {documents} and {question}: templates/<set>_<protocol>_rewrite.txt
     for a template set name (e.g. "toy"), else the paper-style templates/<protocol>_rewrite.txt."""
-    is_set = bool(template) and "/" not in template and "." not in template
-    path = template_path(f"{protocol.name}_rewrite", template if is_set else "")
+    path = rewrite_path(protocol.name, template)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no rewrite prompt for protocol {protocol.name!r} (mem_coef > 0 needs one)")
     text = path.read_text()
@@ -375,11 +374,9 @@ def stage1(cfg) -> Path:
         from .teacher import Teacher
 
         sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
-    elif cfg.cold_start_sampler == "policy":
+    else:  # the model itself
         sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
-    else:
-        sys.exit(f"error: unknown --cold_start_sampler {cfg.cold_start_sampler!r} (valid: policy, teacher)")
     t_sample = time.time()
     log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},
                             cfg.resume)
@@ -426,13 +423,14 @@ Every field: python -m searchlite.r1pp stage1 --help."""
 
 
 def main(argv=None) -> None:
-    from .config import ConfigError, parse_args
+    from .config import ConfigError, check_config, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "stage1":
         sys.exit(USAGE)
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft")
+        check_config(cfg)
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log
         sys.exit(f"error: {e}")

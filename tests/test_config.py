@@ -105,3 +105,66 @@ def test_repo_presets_are_valid():
     assert names, "configs.toml has no presets"
     for name in names:
         Config(**load_preset(name))
+
+
+# ---------------------------------------------------------------------------- check_config: before anything loads
+
+def checked(*flags):
+    """parse_args + check_config on the toy preset with `flags`; the ConfigError's message, or None."""
+    from searchlite.config import check_config
+
+    try:
+        check_config(parse_args(list(flags)))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_the_toy_run_and_the_repo_presets_pass_the_checks():
+    assert checked() is None
+    assert checked("--algo", "ppo", "--device", "cpu", "--dtype", "bfloat16", "--retriever", "rank_bm25") is None
+    assert checked("--protocol", "r1_searcher_pp", "--reward", "r1pp", "--mem_coef", "0.1") is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--algo", "grp"), "--algo 'grp': not one of grpo, ppo, reinforce_pp (did you mean 'grpo'?)"),
+    (("--kl_kind", "k2"), "--kl_kind 'k2': not one of k1, k3"),
+    (("--loss_agg", "seq_mean"), "--loss_agg 'seq_mean': not one of token_mean, seq_mean_token_mean"),
+    (("--dtype", "fp16"), "--dtype 'fp16': not one of float32, bfloat16, float16"),
+    (("--device", "gpu"), "--device 'gpu': not one of auto, cpu, cuda"),
+    (("--reward", "f1"), "--reward 'f1': not one of em, r1pp"),
+    (("--group", "0"), "--group 0: must be at least 1"),
+    (("--batch_size", "0"), "--batch_size 0: must be at least 1"),
+    (("--steps", "-1"), "--steps -1: must be at least 0"),
+    (("--train_data", "nowhere/train.jsonl"), "--train_data nowhere/train.jsonl: no such file"),
+    (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
+    (("--retriever", "http"), "--retriever http needs --retriever_url"),
+    (("--retriever", "dense"), "--retriever dense needs --encoder"),
+    (("--template", "toyy"), "toyy_search_r1.txt does not exist; give a prompt file with {question}, or a set here: "
+                             "fewshot, toy, '' (the paper's)"),
+    (("--mem_coef", "0.1"), "search_r1_rewrite.txt does not exist (R1-Searcher++ runs with --protocol r1_searcher_pp)"),
+])
+def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):
+    got = checked(*flags)
+    assert got is not None and message in got, got
+
+
+def test_a_missing_stage_1_model_says_to_run_stage_1():
+    got = checked("--preset", "toy-r1pp", "--model", "runs/never-ran/model")
+    assert got.startswith("--model runs/never-ran/model: no such folder (an earlier run's output")
+    assert "python -m searchlite.r1pp stage1 --preset toy-r1pp-sft" in got
+
+
+def test_a_hub_name_is_left_to_transformers():
+    from searchlite.config import is_hub_name
+
+    assert is_hub_name("Qwen/Qwen2.5-3B") and not is_hub_name("toy/model") and not is_hub_name("runs/a/model")
+    assert checked("--model", "Qwen/Qwen2.5-3B") is None
+
+
+def test_cuda_without_a_gpu_is_refused():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert "sees no CUDA GPU here; use --device cpu" in checked("--device", "cuda:0")

@@ -421,5 +421,5 @@ def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
 
 
 def test_unknown_reward_exits():
-    with pytest.raises(SystemExit, match="unknown --reward 'f1'"):
+    with pytest.raises(SystemExit, match="--reward 'f1': not one of em, r1pp"):
         train.main(["--reward", "f1"])
