@@ -1,7 +1,7 @@
 """Render rollouts as one self-contained HTML page: reading the searches is how you debug this.
 
     write_html("runs/x/trajectories/step00010.html", ro, tokenizer, rewards, golds)
-    python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts
+    python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts (toy template)
 
 Each trajectory shows its reward, gold answers, searches and turns; the response is split
 at every change of `loss_mask`, so tokens the policy sampled (trained on) and tokens it
@@ -75,6 +75,8 @@ def main(argv=None) -> None:
     ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
     ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL for BM25 retrieval")
     ap.add_argument("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp")
+    ap.add_argument("--template", default="toy", help="prompt template: a file with {question}, or a set name "
+                    "(toy = templates/toy_<protocol>.txt, the toy model's); '' = the paper's, for real models")
     ap.add_argument("--n", type=int, default=8, help="number of questions")
     ap.add_argument("--topk", type=int, default=3, help="passages per search")
     ap.add_argument("--max_turns", type=int, default=4, help="search budget")
@@ -96,7 +98,7 @@ def main(argv=None) -> None:
     model = load_policy(args.model)
     qa = read_qa(resolve_path(args.data))[: args.n]
     retriever = build_retriever("bm25", resolve_path(args.corpus))
-    ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol),
+    ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol, args.template),
                  [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, greedy=args.greedy)
     rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]
     print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa], title=f"{args.model} on {args.data}"))

@@ -31,3 +31,17 @@ def test_render_colours_and_content(byte_tokenizer, tmp_path):
     assert "searches 1" in page and "reward <span class='ok'>1</span>" in page
     path = write_html(tmp_path / "sub" / "v.html", ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
     assert path.read_text() == render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
+
+
+def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
+    """`python -m searchlite.view` rolls the toy model out under the prompt it was trained and is
+    evaluated with, not the paper's, which it never saw."""
+    from searchlite.protocol import TEMPLATE_DIR
+    from searchlite.view import main
+
+    out = tmp_path / "view.html"
+    main(["--n", "2", "--greedy", "--out", str(out)])
+    page = out.read_text()
+    toy = (TEMPLATE_DIR / "toy_search_r1.txt").read_text().split("{question}")[0]
+    paper = (TEMPLATE_DIR / "search_r1.txt").read_text().split("{question}")[0]
+    assert page.count(html.escape(toy)) == 2 and html.escape(paper) not in page
