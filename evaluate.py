@@ -163,16 +163,16 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
 
 def make_retriever(args):
     """The retriever of --retriever / --retriever_url; a server that does not answer is an EvalError."""
-    from searchlite.retrieval import HTTPRetriever, build_retriever
+    from searchlite.config import ConfigError
+    from searchlite.retrieval import build_retriever, check_server
 
     if args.retriever_url or args.retriever == "http":
         if not args.retriever_url:
             raise EvalError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000)")
         try:
-            HTTPRetriever(args.retriever_url, timeout=10, retries=0).search(["test"], 1)
-        except RuntimeError as e:
-            raise EvalError(f"the retrieval server does not answer: {e}. Start one with `python retrieve.py serve "
-                            "--index INDEX --port 8000` or fix --retriever_url.") from None
+            check_server(args.retriever_url)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url)
     return build_retriever(args.retriever, resolve_path(args.corpus), encoder=args.encoder or None,
                            index=args.index or None)

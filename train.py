@@ -221,13 +221,13 @@ def main(argv=None) -> None:
     if critic is not None:
         critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay,
                                                   cfg.critic_warmup_steps, cfg.optimizer)
-    try:
+    try:  # a bad data line (its file, line and field) or a retrieval server that does not answer
         train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
-    except DataError as e:  # names the file, line and field
+        retriever = config_retriever(cfg)
+    except (DataError, ConfigError) as e:
         sys.exit(f"error: {e}")
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
-    retriever = config_retriever(cfg)
     protocol = get_protocol(cfg.protocol, cfg.template)
     rank_seed = cfg.seed + 1_000_003 * dist.rank()  # each rank samples its own stream; rank 0's is cfg.seed
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=rank_seed,

@@ -164,10 +164,22 @@ def _coerce(name: str, value, where: str):
     raise ConfigError(f"{where}: '{name}' expects {kind.__name__}, got {value!r}")
 
 
+def read_presets(path: Path = DEFAULT_PRESETS) -> dict[str, dict]:
+    """Every [preset] table of a TOML file; ConfigError names the file (and line) of a bad one."""
+    try:
+        with open(path, "rb") as f:
+            presets = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for name, table in presets.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: '{name} = {table!r}' is outside any [preset] table; put it under one")
+    return presets
+
+
 def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
     """The key/value table of preset `name` in a TOML file, checked against Config's fields."""
-    with open(path, "rb") as f:
-        presets = tomllib.load(f)
+    presets = read_presets(path)
     if name not in presets:
         close = difflib.get_close_matches(name, list(presets), n=1, cutoff=0.0)
         hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -214,7 +226,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
             pairs.append((key, value))
         i += 1
     if preset is None:
-        preset = default_preset if presets.exists() and default_preset in _preset_names(presets) else "none"
+        preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
     values = load_preset(preset, presets) if preset != "none" else {}
     for key, value in pairs:
         if key not in Config.__dataclass_fields__:
@@ -309,17 +321,12 @@ def _template_sets(name: str) -> list[str]:
         "'' (the paper's)"] * (TEMPLATE_DIR / f"{name}.txt").exists()
 
 
-def _preset_names(path: Path) -> list[str]:
-    with open(path, "rb") as f:
-        return list(tomllib.load(f))
-
-
 def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET) -> str:
     helps = field_help()
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
     if presets.exists():
         lines.append(f"presets ({presets.name}; '{default_preset}' unless --preset is given, 'none' for the "
-                     f"defaults below): " + ", ".join(_preset_names(presets)))
+                     f"defaults below): " + ", ".join(read_presets(presets)))
     for f in fields(Config):
         kind = type(f.default).__name__
         lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r})")

@@ -359,7 +359,8 @@ class HTTPRetriever(Retriever):
                 return json.loads(body)
             except json.JSONDecodeError as e:
                 raise RuntimeError(f"retrieval server {self.url} sent invalid JSON ({e.msg}): {body[:200]!r}") from None
-        hint = (" Is the server running? Start one with `python retrieve.py serve --index INDEX`, or fix the URL."
+        hint = (" Is the server running? Start one with `python retrieve.py serve --index INDEX --port 8000`, or "
+                "fix the URL."
                 if gone else "")
         raise RuntimeError(f"retrieval server {self.url} failed after {attempt + 1} attempt(s): {cause} "
                            f"(gave up after {time.monotonic() - t0:.1f}s).{hint}")
@@ -452,11 +453,25 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     return DenseRetriever(passages, encoder, pooling=pooling, index=index, **kw)
 
 
+def check_server(url: str) -> None:
+    """Raise ConfigError if the retrieval server at `url` does not answer one search (10 s, no
+    retry), so that a run learns it before loading a model, not at its first rollout."""
+    from searchlite.config import ConfigError
+
+    try:
+        HTTPRetriever(url, timeout=10, retries=0).search(["test"], 1)
+    except RuntimeError as e:
+        raise ConfigError(f"--retriever_url {url}: the retrieval server does not answer: {e}") from None
+
+
 def config_retriever(cfg) -> Retriever:
     """The retriever a run's config names (its retriever, corpus, encoder, pooling, index and
-    retriever_url fields): train.py's, stage 1's, and any script that replays a run."""
+    retriever_url fields): train.py's, stage 1's, and any script that replays a run. A server
+    that does not answer is a ConfigError (`check_server`)."""
     from searchlite.config import resolve_path
 
+    if cfg.retriever == "http":
+        check_server(cfg.retriever_url)
     corpus = None if cfg.retriever == "http" else resolve_path(cfg.corpus)
     return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
                            index=cfg.index or None, url=cfg.retriever_url or None)

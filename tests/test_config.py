@@ -168,3 +168,13 @@ def test_cuda_without_a_gpu_is_refused():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     assert "sees no CUDA GPU here; use --device cpu" in checked("--device", "cuda:0")
+
+
+def test_a_broken_presets_file_is_named(tmp_path):
+    bad = tmp_path / "configs.toml"
+    bad.write_text('[toy]\nsteps = 60\nlr = 3e-4e\n')
+    with pytest.raises(ConfigError, match=r"configs.toml: not valid TOML: .*line 3"):
+        parse_args(["--steps", "1"], presets=bad)
+    bad.write_text('top = 1\n[toy]\nsteps = 60\n')
+    with pytest.raises(ConfigError, match=r"configs.toml: 'top = 1' is outside any \[preset\] table"):
+        parse_args(["--preset", "toy"], presets=bad)

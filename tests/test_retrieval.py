@@ -332,13 +332,20 @@ def test_build_retriever(tmp_path):
         build_retriever("dense", CORPUS)
 
 
-def test_config_retriever_follows_the_run_config(tmp_path):
+def test_config_retriever_follows_the_run_config(tmp_path, server):
     from types import SimpleNamespace
+
+    from searchlite.config import ConfigError
 
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     cfg = SimpleNamespace(retriever="bm25", corpus=str(tmp_path / "c.jsonl"), encoder="", pooling="mean", index="",
                           retriever_url="")
     assert config_retriever(cfg).search(["what causes ocean tides"], 1)[0][0].id == "v8"
     http = config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "corpus": "missing.jsonl",
-                                               "retriever_url": "http://localhost:8000"}))
-    assert isinstance(http, HTTPRetriever) and http.url == "http://localhost:8000/retrieve"  # the corpus is not read
+                                               "retriever_url": _url(server)}))
+    assert isinstance(http, HTTPRetriever) and http.url == _url(server) + "/retrieve"  # the corpus is not read
+    assert server.requests == [("/retrieve", {"queries": ["test"], "topk": 1, "return_scores": True})]  # the probe
+    server.fail_first = 1  # one failure: the probe does not retry, so a server that is down is named at once
+    with pytest.raises(ConfigError, match=re.escape(f"--retriever_url {_url(server)}: the retrieval server does "
+                                                    "not answer") + r".*HTTP 500"):
+        config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "retriever_url": _url(server)}))
