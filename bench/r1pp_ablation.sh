@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its ablations (the paper's
-# Table 2) and plain REINFORCE++ with the EM reward, each from the same stage-1 model. 13 to 20
+# R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its three ablations (the
+# paper's Table 2), plain REINFORCE++ with the EM reward, each from the same stage-1 model. 13 to 20
 # minutes a run on one CPU core (20 with another run on the second core; stage 1: ~9 more).
 # Rerunning continues where it stopped (--resume): finished runs are skipped, an interrupted stage 1
 # samples only its missing batches, an interrupted run resumes from its last checkpoint.
@@ -15,6 +15,10 @@
 # Each run's test EM and retrieval calls per question (by question type) are in its
 # metrics.jsonl (the last row's eval/ keys); bench/r1pp_table.py prints them as a table.
 set -euo pipefail
+if [ $# -gt 0 ]; then  # it takes no arguments: --help (or anything else) prints the header above
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit $([ "$1" = "-h" ] || [ "$1" = "--help" ]; echo $?)
+fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 "$PYTHON" -m searchlite.r1pp stage1 --preset toy-r1pp-sft --resume

@@ -205,13 +205,14 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
     os.replace(tmp, path)
 
 
-def read_log(path) -> list[dict]:
+def read_log(path, cut: bool = True) -> list[dict]:
     """The records of an append-only JSONL log (`append_log`). A last line without its newline
-    was torn by an interrupt: it is cut from the file, so the next append starts a whole line."""
+    was torn by an interrupt: it is cut from the file, so the next append starts a whole line
+    (cut=False only skips it: a reader while another process appends, e.g. plot.py)."""
     path = Path(path)
     raw = path.read_bytes()
     keep = raw[: raw.rfind(b"\n") + 1]
-    if len(keep) != len(raw):
+    if cut and len(keep) != len(raw):
         path.write_bytes(keep)
     return [obj for n, line in enumerate(keep.splitlines(), 1) if (obj := parse_object(line, path, n)) is not None]
 

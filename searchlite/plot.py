@@ -10,16 +10,21 @@ Needs matplotlib (`pip install matplotlib`, or the `plot` extra).
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
+
+from .data import DataError, read_log
 
 PANELS = [("reward", "train reward (EM)"), ("eval/all", "held-out test EM"), ("searches", "valid searches / rollout"),
           ("response_len", "response length (policy tokens)"), ("kl", "KL to reference")]
 
 
 def read_metrics(run: str | Path) -> list[dict]:
+    """A run's metrics.jsonl rows; a line still being written by a running train.py is left out."""
     path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise DataError(f"{run}: no metrics.jsonl (give a train.py out_dir or the file itself)")
+    return read_log(path, cut=False)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -35,14 +40,15 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot(runs: list[str], out: str) -> Path:
+    metrics = [read_metrics(run) for run in runs]  # a missing or bad file is named before matplotlib loads
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
-    for run in runs:
-        rows = read_metrics(run)
+    for run, rows in zip(runs, metrics):
         for ax, (key, title) in zip(axes, PANELS):
             xs, ys = series(rows, key)
             if xs:
@@ -60,7 +66,10 @@ def main(argv=None) -> None:
     ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files")
     ap.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
     args = ap.parse_args(argv)
-    print(plot(args.runs, args.out))
+    try:
+        print(plot(args.runs, args.out))
+    except DataError as e:  # a missing file, or a bad line (its file and line)
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

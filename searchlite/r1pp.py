@@ -426,8 +426,11 @@ def main(argv=None) -> None:
     from .config import ConfigError, check_config, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "stage1":
+    if not argv or argv[0] in ("-h", "--help"):
         sys.exit(USAGE)
+    if argv[0] != "stage1":  # stage 2 is train.py with an r1pp preset
+        sys.exit(f"error: unknown command {argv[0]!r}; this module runs stage 1, stage 2 is "
+                 f"`python train.py --preset toy-r1pp`\n\n{USAGE}")
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft")
         check_config(cfg)

@@ -21,3 +21,17 @@ def test_series_and_png(tmp_path):
     assert series(got, "eval/all") == ([0, 2], [0.2, 0.5])
     out = plot([str(run)], str(tmp_path / "c.png"))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_a_running_run_is_read_as_it_stands_and_bad_input_is_named(tmp_path):
+    from searchlite.plot import main
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "reward": 0.1}\n{"step": 2, "rew')  # train.py is writing step 2
+    assert read_metrics(tmp_path) == [{"step": 1, "reward": 0.1}]
+    assert path.read_bytes().endswith(b'"rew')  # left as it is: the writer owns the file
+    path.write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: bad JSON"):
+        main([str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"nowhere: no metrics.jsonl"):
+        main([str(tmp_path / "nowhere")])
