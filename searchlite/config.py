@@ -324,12 +324,16 @@ def _template_sets(name: str) -> list[str]:
 def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET) -> str:
     helps = field_help()
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
+    table = {}  # the default preset's values, shown beside the defaults they replace
     if presets.exists():
+        names = read_presets(presets)
+        table = load_preset(default_preset, presets) if default_preset in names else {}
         lines.append(f"presets ({presets.name}; '{default_preset}' unless --preset is given, 'none' for the "
-                     f"defaults below): " + ", ".join(read_presets(presets)))
+                     f"defaults below): " + ", ".join(names))
     for f in fields(Config):
         kind = type(f.default).__name__
-        lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r})")
+        preset = f"; with no --preset: {table[f.name]!r}" if table.get(f.name, f.default) != f.default else ""
+        lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r}{preset})")
     return "\n".join(lines)
 
 

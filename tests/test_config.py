@@ -70,6 +70,12 @@ def test_every_field_has_help_and_help_prints(presets, capsys):
         parse_args(["--help"], presets)
     out = capsys.readouterr().out
     assert "--group" in out and helps["group"] in out and "small" in out
+    with pytest.raises(SystemExit):  # the values that run without --preset are shown beside the defaults
+        parse_args(["--help"], presets, default_preset="small")
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert lines["--algo"].endswith("(default: 'grpo'; with no --preset: 'ppo')")
+    assert lines["--lr"].endswith("(default: 1e-06; with no --preset: 2e-06)")
+    assert lines["--seed"].endswith("(default: 0)")
 
 
 def test_default_preset_and_out_dir(tmp_path):
