@@ -192,6 +192,9 @@ def main(argv=None) -> None:
 
     # ------------------------------------------------------------------ models, data, retriever
     ckpt = find_checkpoint(out) if cfg.resume else None  # resume: weights from the checkpoint, the rest below
+    if not cfg.resume and find_checkpoint(out) and dist.is_main():
+        print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh and replaces it at its "
+              "first save (--resume continues it instead)", flush=True)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     if cfg.lora_rank:  # the base model + a LoRA adapter: a new one, or the checkpoint's on resume
         policy = add_lora(load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing), cfg.lora_rank,

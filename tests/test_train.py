@@ -72,12 +72,16 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward):
-    """A fresh run in a used folder starts metrics.jsonl anew; a run interrupted after its last
-    checkpoint and resumed logs the steps it redoes once, not twice."""
+def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
+                                                                   capsys):
+    """A fresh run in a used folder starts metrics.jsonl anew (and says it replaces the old
+    checkpoint); a run interrupted after its last checkpoint and resumed logs the steps it redoes
+    once, not twice."""
     out = tmp_path / "run"
     train.main(args(tiny_model, out, "grpo", steps=1))
+    assert "holds a checkpoint" not in capsys.readouterr().out
     train.main(args(tiny_model, out, "grpo", steps=1))
+    assert f"note: {out} holds a checkpoint of an earlier run; this run starts fresh" in capsys.readouterr().out
     assert [r["step"] for r in metrics(out)] == [0, 1]
     rewards, calls = train.compute_rewards, []
 
