@@ -42,7 +42,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import is_hub_name, resolve_path
+from searchlite.config import HelpFormatter, is_hub_name, resolve_path
 from searchlite.data import DataError, read_qa
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
 
@@ -227,7 +227,7 @@ def bool_arg(value: str) -> bool:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     a = ap.add_argument
     a("--data", default="toy/test.jsonl", help="comma-separated QA JSONL files or dataset names")
     a("--data_dir", default=os.environ.get("SEARCHLITE_DATA", "data/qa"),

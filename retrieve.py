@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from searchlite.config import resolve_path
+from searchlite.config import HelpFormatter, resolve_path
 from searchlite.data import DataError
 
 
@@ -70,13 +70,14 @@ def build(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     helps = {"build": "index a corpus file into a folder (BM25 or dense)",
              "query": "search an index, a corpus or a server and print the top passages",
              "serve": "serve an index over HTTP with Search-R1's POST /retrieve API"}
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text)
+        p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
         a = p.add_argument
         a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
         a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
             a("queries", nargs="+", help="one or more queries")
         else:
             a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-            a("--port", type=int, default=8000)
+            a("--port", type=int, default=8000, help="port to listen on")
             a("--max_queries", type=int, default=4096, help="queries per request at most")
             a("--max_query_chars", type=int, default=4096, help="characters per query at most")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")

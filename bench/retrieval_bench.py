@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/retrieval_bench", help="folder for corpora and indexes")
     ap.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     ap.add_argument("--batch", type=int, default=64, help="queries per batched call")
-    ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument("--port", type=int, default=8731, help="port for the retrieval server it starts (default 8731)")
     ap.add_argument("--no_serve", action="store_true", help="skip the server load test")
     ap.add_argument("--reuse", action="store_true", help="search and serve an index already built in --out")
     ap.add_argument("--_search", help=argparse.SUPPRESS)  # internal: run the search phase on this index

@@ -16,6 +16,7 @@ Deliberately left out: nested configs, interpolation, environment-variable overr
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -319,6 +320,18 @@ def _template_sets(name: str) -> list[str]:
 
     return sorted(p.name.removesuffix(f"_{name}.txt") for p in TEMPLATE_DIR.glob(f"*_{name}.txt")) + [
         "'' (the paper's)"] * (TEMPLATE_DIR / f"{name}.txt").exists()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help for the scripts that use argparse: the description keeps its line breaks, and each
+    flag's help ends with its default unless it already says it or has none (None, '', False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS or any(
+                action.default is none for none in (None, False)) or action.default == "":
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET) -> str:

@@ -42,6 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import TOY_DIR, HelpFormatter
+
 ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "tr", "th", "sk", "vr"]
 VOWELS = ["a", "e", "i", "o", "u"]
 CODAS = ["", "", "", "n", "r", "l", "s", "m", "k", "th"]
@@ -344,12 +346,16 @@ def summary(world: World) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m searchlite.toyworld", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m searchlite.toyworld", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="generate the world and its tokenizer into a folder")
+    b = sub.add_parser("build", help="generate the world and its tokenizer into a folder",
+                       formatter_class=HelpFormatter)
     b.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same bytes (default 0)")
-    b.add_argument("--out", default="searchlite/assets/toyworld", help="output folder (default searchlite/assets/toyworld)")
-    b.add_argument("--vocab-size", type=int, default=2400, help="tokenizer vocabulary size, tags included (default 2400)")
+    b.add_argument("--out", default=str(TOY_DIR), help="output folder (default: the package's searchlite/assets/"
+                   "toyworld, the embedded toy world that toy/ paths read, wherever the command runs)")
+    b.add_argument("--vocab_size", "--vocab-size", type=int, default=2400,
+                   help="tokenizer vocabulary size, tags included (default 2400)")
     args = ap.parse_args(argv)
 
     from searchlite.toytokenizer import build_tokenizer, length_report, world_texts  # tokenizers only here

@@ -14,6 +14,8 @@ import argparse
 import html
 from pathlib import Path
 
+from .config import HelpFormatter
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
 .traj { border: 1px solid #ccc; border-radius: 6px; margin: 1em 0; padding: 0.6em 1em; }
@@ -70,7 +72,8 @@ def write_html(path, ro, tokenizer, rewards, golds, title: str = "rollouts", lim
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Roll out a model on a few questions and render them to HTML.")
+    ap = argparse.ArgumentParser(description="Roll out a model on a few questions and render them to HTML.",
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default="toy/model", help="policy folder (toy/model = the embedded warm start)")
     ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
     ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL for BM25 retrieval")

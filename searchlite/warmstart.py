@@ -8,7 +8,7 @@ teacher also writes R1-Searcher++'s, for that method's own cold start), with rea
 retrieval, famous questions repeated so their facts are memorised, each pass with a fresh seed
 so it shows new draws of the teacher's choices; (3) SFT a tiny Llama from random
 initialisation on those trajectories, retrieved tokens masked (searchlite.sft), in two phases
-at lr 3e-3, batch 4: first `--read-passes` passes of a careful teacher that always searches
+at lr 3e-3, batch 4: first `--read_passes` passes of a careful teacher that always searches
 and reads right, then `--epochs` passes of the imperfect one (guesses, stops early, copies
 wrong spans), which sets the habits RL must fix. Reading a value out of a passage appears
 suddenly, after about 2,000 updates: batches of 32 (900 updates in the time budget) never got
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TOY_DIR
+from .config import TOY_DIR, HelpFormatter
 
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -77,19 +77,21 @@ def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")
-    ap.add_argument("--read-passes", type=int, default=6,
+    ap.add_argument("--read_passes", "--read-passes", type=int, default=6,
                     help="first SFT phase: passes with a careful teacher that always searches and reads right "
                          "(default 6)")
     ap.add_argument("--epochs", type=int, default=4,
                     help="second SFT phase: passes with the imperfect teacher, each over fresh trajectories "
                          "(default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="SFT peak learning rate (default 3e-3)")
-    ap.add_argument("--batch-size", type=int, default=4,
+    ap.add_argument("--batch_size", "--batch-size", type=int, default=4,
                     help="SFT batch size (default 4: reading emerges after ~2,000 updates, and small batches fit more)")
-    ap.add_argument("--famous-repeats", type=int, default=1, help="extra passes over famous questions (default 1)")
+    ap.add_argument("--famous_repeats", "--famous-repeats", type=int, default=1,
+                    help="extra passes over famous questions (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
