@@ -32,6 +32,8 @@ def make(args):
     if getattr(args, "url", None):
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
+    if corpus and not os.path.isfile(corpus):
+        raise FileNotFoundError(f"--corpus {args.corpus}: no such file")
     kind = None if args.kind == "auto" else args.kind
     dense_kw = dict(device=args.device, mmap=args.mmap)
     if args.index and os.path.isdir(args.index):
@@ -54,7 +56,10 @@ def build(args) -> None:
     if not args.corpus:
         sys.exit("error: build needs --corpus")
     corpus, t0 = resolve_path(args.corpus), time.time()
-    if args.kind == "dense":
+    if not os.path.isfile(corpus):
+        sys.exit(f"error: --corpus {args.corpus}: no such file")
+    kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
+    if kind == "dense":
         if not args.encoder:
             sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
         r = build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling, query_prefix=args.query_prefix,
@@ -62,10 +67,11 @@ def build(args) -> None:
                                search_params=args.search_params, shard_size=args.shard_size,
                                batch_size=args.batch_size, max_length=args.max_length, device=args.device,
                                keep_shards=args.keep_shards)
-    elif args.kind == "bm25":
+    elif kind == "bm25":
         r = build_bm25_folder(corpus, args.out)
     else:
-        sys.exit("error: build needs --kind bm25 or --kind dense")
+        sys.exit("error: build writes bm25 or dense index folders; rank_bm25 indexes a corpus in memory when "
+                 "query or serve starts (python retrieve.py serve --corpus FILE --kind rank_bm25)")
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
@@ -81,12 +87,15 @@ def main(argv=None) -> None:
         a = p.add_argument
         a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
         a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
-          help="retriever kind (default: the index's, else bm25)")
-        a("--index", default=None, help="index folder from `build`, or a FAISS file such as Search-R1's e5_Flat.index")
+          help="retriever kind (auto: " + ("dense with --encoder, else bm25)" if name == "build" else
+                                           "the index's, else bm25)"))
+        if name != "build":
+            a("--index", default=None, help="index folder from `build`, or a FAISS file such as Search-R1's "
+              "e5_Flat.index")
+            a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
         a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5)")
         a("--device", default="cpu", help="dense: torch device of the encoder")
-        a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
         if name == "build":
             a("--out", required=True, help="folder to write the index to (rerun to resume a dense build)")
             a("--faiss", default="flat", help="dense: flat | hnsw | ivfpq | a faiss.index_factory string")

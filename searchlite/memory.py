@@ -35,6 +35,7 @@ import functools
 import importlib.util
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -219,11 +220,18 @@ def main(argv=None) -> None:
     m.add_argument("--base", default="", help="base model folder or hub name; default: the one it was trained on")
     m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
+    if not (Path(args.adapter) / "adapter_config.json").is_file():
+        what = "holds full weights, not a LoRA adapter: use it as it is" if (
+            Path(args.adapter) / "config.json").is_file() else "is not a folder with adapter_config.json"
+        sys.exit(f"error: {args.adapter} {what}")
     from transformers import AutoTokenizer
 
     from .models import DTYPES
 
-    model = load_merged(args.adapter, DTYPES[args.dtype], args.base)
+    try:
+        model = load_merged(args.adapter, DTYPES[args.dtype], args.base)
+    except OSError as e:  # the base model cannot be loaded: the message says how to name it
+        sys.exit(f"error: {e}")
     model.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(args.adapter).save_pretrained(args.out)
     print(f"merged {args.adapter} into {model.config.name_or_path or args.base} -> {args.out}")

@@ -97,6 +97,12 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
     assert (logprobs(merged) - logprobs(base)).abs().max() > 0
     with pytest.raises(SystemExit, match="holds a LoRA adapter"):  # resuming it as a full-weight run
         run(tiny_model, out, steps=3, extra=["--resume"])
+    from searchlite.memory import main as merge_cli  # python -m searchlite.memory merge: the same merged weights
+
+    merge_cli(["merge", str(policy_dir), "--out", str(tmp_path / "merged"), "--dtype", "float32"])
+    assert torch.equal(logprobs(load_policy(str(tmp_path / "merged"))), logprobs(merged))
+    with pytest.raises(SystemExit, match=f"{tiny_model} holds full weights, not a LoRA adapter"):
+        merge_cli(["merge", tiny_model, "--out", str(tmp_path / "not")])
 
 
 # ---------------------------------------------------------------------------- AdamW8bit
