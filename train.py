@@ -36,8 +36,9 @@ from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
-from searchlite.models import (Critic, find_checkpoint, frozen_copy, load_policy, load_tokenizer, load_trainer_state,
-                               make_optimizer, pick_device, rng_state, save_checkpoint, set_rng_state)
+from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
+                               load_trainer_state, make_optimizer, pick_device, rng_state, save_checkpoint,
+                               set_rng_state)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -291,6 +292,7 @@ def main(argv=None) -> None:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
+    stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint it, stop (a second Ctrl-C: at once)
     for step in range(start, cfg.steps):
         t0 = time.time()
         # -------------------------------------------------------------- rollouts
@@ -389,7 +391,8 @@ def main(argv=None) -> None:
                            [1.0] * len(mem), [[a] for a in mem.answers], title=f"step {step + 1}: rewrites", limit=8)
 
         # -------------------------------------------------------------- checkpoint
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        stopping = dist.all_max(int(stop.requested)) > 0  # torchrun: every rank stops after the same step
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
             # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
             # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
             state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
@@ -404,6 +407,11 @@ def main(argv=None) -> None:
             if dist.is_main():
                 save_checkpoint(out, policy, tokenizer, state, critic, policy_weights, critic_weights)
             dist.barrier()
+        if stopping:
+            if dist.is_main():
+                print(f"stopped after step {step + 1}, checkpoint saved: rerun with --resume to continue", flush=True)
+            break
+    stop.restore()
     if dist.is_main():
         metrics_file.close()
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,29 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class GracefulStop:
+    """From its creation until `restore()`, Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption)
+    only sets `requested`: the loop checkpoints at the end of its step and stops, so nothing
+    trained is lost and `--resume` continues exactly. A second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again to "
+              "stop at once", flush=True)
+
+    def restore(self) -> None:
+        for s, handler in zip(self.SIGNALS, self.previous):
+            signal.signal(s, handler)
 
 
 def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None,

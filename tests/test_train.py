@@ -72,6 +72,38 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tmp_path, monkeypatch, varied_reward,
+                                                                   capsys):
+    """Ctrl-C during step 2 of a run that saves every 10 steps: the step finishes, is
+    checkpointed, the run stops; --resume then ends where an uninterrupted run ends."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.main(args(tiny_model, full, "grpo", steps=3, extra=["--save_every", "10"]))
+    rewards, calls = train.compute_rewards, []
+
+    def ctrl_c_in_step_2(ro, qs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return rewards(ro, qs)
+
+    monkeypatch.setattr(train, "compute_rewards", ctrl_c_in_step_2)
+    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "10"]))
+    assert "stopped after step 2, checkpoint saved: rerun with --resume" in capsys.readouterr().out
+    assert torch.load(part / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.setattr(train, "compute_rewards", rewards)
+    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "10", "--resume"]))
+    wa = load_file(full / "checkpoint" / "policy" / "model.safetensors")
+    wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
+
+
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
     """A fresh run in a used folder starts metrics.jsonl anew (and says it replaces the old
