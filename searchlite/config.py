@@ -196,12 +196,14 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
 
 
 def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py",
-               default_preset: str = DEFAULT_PRESET) -> Config:
+               default_preset: str = DEFAULT_PRESET, reads: tuple[str, ...] = ()) -> Config:
     """Build a Config from `--preset NAME` and `--field value` flags (see module docstring);
-    `default_preset` is applied when no --preset is given (and the file has it)."""
+    `default_preset` is applied when no --preset is given (and the file has it). `reads`, when
+    given, are the only fields the program uses: --help lists those, and a flag for another is
+    refused rather than silently ignored."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(usage(prog, presets, default_preset))
+        print(usage(prog, presets, default_preset, reads))
         raise SystemExit(0)
     pairs, preset = [], None  # preset None = the default one, if the file has it
     i = 0
@@ -232,6 +234,8 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     for key, value in pairs:
         if key not in Config.__dataclass_fields__:
             raise ConfigError(f"command line: unknown flag --{key}{_closest(key)}")
+        if reads and key not in reads:
+            raise ConfigError(f"command line: python {prog} does not read --{key} (it reads: --{', --'.join(reads)})")
         values[key] = _coerce(key, value, "command line")
     cfg = Config(**values)
     if not cfg.out_dir:
@@ -334,7 +338,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET) -> str:
+def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET,
+          reads: tuple[str, ...] = ()) -> str:
     helps = field_help()
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
     table = {}  # the default preset's values, shown beside the defaults they replace
@@ -343,7 +348,7 @@ def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFA
         table = load_preset(default_preset, presets) if default_preset in names else {}
         lines.append(f"presets ({presets.name}; '{default_preset}' unless --preset is given, 'none' for the "
                      f"defaults below): " + ", ".join(names))
-    for f in fields(Config):
+    for f in (f for f in fields(Config) if not reads or f.name in reads):
         kind = type(f.default).__name__
         preset = f"; with no --preset: {table[f.name]!r}" if table.get(f.name, f.default) != f.default else ""
         lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r}{preset})")

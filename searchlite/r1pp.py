@@ -214,6 +214,8 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
                    "batch_size", "cold_start_sampler", "protocol", "template", "temperature", "top_p", "max_turns",
                    "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
                    "index", "retriever_url", "topk")
+STAGE1_FIELDS = ("out_dir", "resume", "device", "gen_batch_size", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
+                 "sft_lr", "sft_batch_size", "weight_decay", "grad_clip", "grad_checkpointing")  # what stage 1 reads
 
 
 def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
@@ -419,7 +421,7 @@ train_data, the retrieval and rollout fields, group (samples per question), batc
 sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
 Each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl: after an
 interrupt, the same command with --resume samples only the batches still missing.
-Every field: python -m searchlite.r1pp stage1 --help."""
+Each field it reads: python -m searchlite.r1pp stage1 --help (a flag for any other is refused)."""
 
 
 def main(argv=None) -> None:
@@ -432,7 +434,8 @@ def main(argv=None) -> None:
         sys.exit(f"error: unknown command {argv[0]!r}; this module runs stage 1, stage 2 is "
                  f"`python train.py --preset toy-r1pp`\n\n{USAGE}")
     try:
-        cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft")
+        cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
+                         reads=STAGE1_FIELDS)
         check_config(cfg)
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log

@@ -370,6 +370,15 @@ def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
                    "--cold_start_sampler", "policy", "--sft_rewrites", "2"])
 
 
+def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
+    with pytest.raises(SystemExit, match=r"does not read --lr \(it reads: --out_dir, --resume, .*--sft_lr"):
+        r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr
+    with pytest.raises(SystemExit):
+        r1pp.main(["stage1", "--help"])
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert listed == {f"--{name}" for name in r1pp.STAGE1_FIELDS} and "--lr" not in listed
+
+
 def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="no sampled trajectory"):  # a random model writes no valid trajectory
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--cold_start_sampler", "policy", "--model", tiny_model,
