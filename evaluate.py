@@ -235,7 +235,7 @@ def parse_args(argv=None):
     a("--methods", "--method", default="search", help=f"comma-separated: {', '.join(METHODS)}")
     a("--model", "--checkpoint", default="toy/model", help="HF folder, train.py run/checkpoint, .gguf file or smollm2")
     a("--tokenizer", default="", help="tokenizer folder (default: the model's)")
-    a("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a("--device", default="auto", help="auto | cpu | cuda")
     a("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process vLLM engine: much faster "

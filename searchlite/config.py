@@ -244,7 +244,6 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
 
 
 CHOICES = {  # fields that take one of a few values
-    "device": ("auto", "cpu", "cuda"),  # and cuda:N
     "parallel": ("auto", "ddp", "fsdp"),
     "dtype": ("float32", "bfloat16", "float16"),
     "retriever": ("bm25", "rank_bm25", "dense", "http"),
@@ -272,21 +271,17 @@ def is_hub_name(spec: str) -> bool:
 def check_config(cfg: Config) -> None:
     """Raise ConfigError for a value no run can use, before any model or data is loaded: an
     unknown choice, a count out of range, a missing file, settings that contradict each other."""
+    from .models import pick_device
     from .protocol import rewrite_path, template_path
 
     for name, valid in CHOICES.items():
         value = getattr(cfg, name)
-        if value not in valid and not (name == "device" and re.fullmatch(r"cuda:\d+", value)):
+        if value not in valid:
             raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
     for name, low in AT_LEAST.items():
         if getattr(cfg, name) < low:
             raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
-    if cfg.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {cfg.device}: torch {torch.__version__} sees no CUDA GPU here; "
-                              "use --device cpu (or auto, which picks the GPU when there is one)")
+    pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
     for name in ("model", "tokenizer"):
         spec = getattr(cfg, name)
         if spec and not Path(resolve_path(spec)).exists() and not is_hub_name(spec):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -29,14 +30,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import resolve_path
+from .config import ConfigError, resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(name: str) -> torch.device:
+    """auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N; a ConfigError for any
+    other name, or for cuda where torch sees no GPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ConfigError(f"--device {name!r}: not one of auto, cpu, cuda, cuda:N")
+    if name != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu "
+                          "(or auto, which picks the GPU when there is one)")
     return torch.device(name)
 
 
