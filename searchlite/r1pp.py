@@ -344,7 +344,7 @@ def stage1(cfg) -> Path:
     """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model."""
     from .config import format_config, resolve_path, save_config
     from .data import read_qa
-    from .models import load_policy, load_tokenizer, pick_device
+    from .models import GracefulStop, load_policy, load_tokenizer, pick_device
     from .protocol import get_protocol
     from .retrieval import config_retriever
     from .sampler import HFSampler
@@ -359,6 +359,8 @@ def stage1(cfg) -> Path:
         print(f"--resume: stage 1 already finished in {out} ({out / 'model'})", flush=True)
         return out / "model"
     (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
+    if not cfg.resume:
+        (out / "sft_state.pt").unlink(missing_ok=True)  # an interrupted SFT's state (below)
     print(f"config:\n{format_config(cfg)}", flush=True)
     save_config(cfg, out / "config.json")
     torch.manual_seed(cfg.seed)
@@ -399,15 +401,21 @@ def stage1(cfg) -> Path:
         kept = join(kept, demos, tokenizer)
     write_html(out / "trajectories" / "kept.html", kept, tokenizer, [1.0] * len(kept), [[a] for a in kept.answers],
                title="stage 1: kept trajectories", limit=16)
+    stop = GracefulStop()  # Ctrl-C: the SFT step finishes and its state is saved (also at each epoch's end)
     losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
                  lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
-                 grad_clip=cfg.grad_clip, seed=cfg.seed)
+                 grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
+    stop.restore()
+    if stop.requested:
+        sys.exit(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: rerun the same "
+                 "command with --resume to continue")
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     tail = losses[-20:]
     counts |= {"sft_steps": len(losses), "sft_loss": sum(tail) / len(tail), "sft_first_loss": losses[0],
                "seconds": time.time() - t0}
     (out / "stage1.json").write_text(json.dumps(counts, indent=2) + "\n")
+    (out / "sft_state.pt").unlink(missing_ok=True)  # as large as the model and its optimizer: not needed once the model is saved
     print(f"stage 1: sft loss {counts['sft_loss']:.4f} over {len(losses)} steps; wrote {out / 'model'} "
           f"in {counts['seconds']:.0f}s", flush=True)
     return out / "model"
@@ -420,7 +428,9 @@ train_data, the retrieval and rollout fields, group (samples per question), batc
 (questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr, sft_rewrites and
 sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
 Each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl: after an
-interrupt, the same command with --resume samples only the batches still missing.
+interrupt, the same command with --resume samples only the batches still missing. The SFT saves
+its state to out_dir/sft_state.pt at each epoch's end and on Ctrl-C (after the step in hand);
+--resume continues it from there.
 Each field it reads: python -m searchlite.r1pp stage1 --help (a flag for any other is refused)."""
 
 

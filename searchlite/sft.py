@@ -15,10 +15,13 @@ warm-up and cosine decay. Left out on purpose: packing, LoRA (see models.py).
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from .config import ConfigError
 from .losses import token_logprobs
 
 
@@ -43,8 +46,13 @@ def length_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator,
 
 def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr: float = 1e-3,
         batch_size: int = 32, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0,
-        progress: bool = True) -> list[float]:
-    """Train `model` in place on the (N, T) rows; returns the loss of every step."""
+        progress: bool = True, state_path=None, stop=None) -> list[float]:
+    """Train `model` in place on the (N, T) rows; returns the loss of every step so far.
+
+    With `state_path`, the training state (weights, optimizer, schedule, step, losses, RNG) is
+    saved there at the end of each epoch and when `stop.requested` turns true (a GracefulStop:
+    the step finishes, is saved, and sft returns early); a call that finds a state there starts
+    after its last step, and ends as an uninterrupted call would."""
     n = input_ids.shape[0]
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -55,11 +63,19 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator().manual_seed(seed)
-    model.train()
+    settings = dict(rows=n, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup, weight_decay=weight_decay,
+                    grad_clip=grad_clip, seed=seed)  # a resume must continue the same run
     losses = []
-    bar = tqdm(total=steps, desc="sft", disable=not progress)
-    for _ in range(epochs):
-        for rows in length_batches(lengths, batch_size, gen):
+    if state_path is not None and Path(state_path).exists():
+        losses = load_state(state_path, model, opt, sched, settings)
+    done = len(losses)  # steps taken before a resume
+    model.train()
+    bar = tqdm(total=steps, initial=done, desc="sft", disable=not progress)
+    for epoch in range(epochs):
+        batches = length_batches(lengths, batch_size, gen)  # drawn every epoch, also one already done
+        for step, rows in enumerate(batches, epoch * len(batches)):
+            if step < done:
+                continue
             width = int(lengths[rows].max())
             ids = input_ids[rows, :width].to(device)
             loss = sft_loss(model, ids, loss_mask[rows, :width].to(device), attention_mask[rows, :width].to(device))
@@ -71,5 +87,36 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if stop is not None and stop.requested:
+                break
+        if state_path is not None and len(losses) > max(done, epoch * len(batches)):  # it trained this epoch
+            save_state(state_path, model, opt, sched, losses, settings)  # at the epoch's end, or where it stopped
+        if stop is not None and stop.requested:
+            break
     bar.close()
     return losses
+
+
+def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> None:
+    """Everything `sft` needs to continue, written to a temporary file and renamed over `path`."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "losses": losses,
+             "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state_all(), "settings": settings}
+    tmp = Path(f"{path}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path, model, opt, sched, settings: dict) -> list[float]:
+    """Restore what `save_state` wrote; a ConfigError if it was saved by an SFT with other settings."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    changed = [f"{k} = {v}, this one has {k} = {settings[k]}" for k, v in state["settings"].items() if settings[k] != v]
+    if changed:
+        raise ConfigError(f"{path}: saved by an SFT with {'; '.join(changed)}; rerun with its settings, or delete "
+                          "the file to start the SFT over")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return state["losses"]
