@@ -1,6 +1,7 @@
 """SFT: the masked NLL against a naive loop, every row once an epoch, and an interrupted run
 that resumes to the same weights as an uninterrupted one."""
 
+import pytest
 import torch
 from conftest import make_tiny_llama
 
@@ -64,3 +65,13 @@ def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_
     resumed = make_tiny_llama(byte_tokenizer)  # a new process: the starting weights, then the saved state
     assert sft(resumed, ids, mask, state_path=state, **kw) == expected and len(calls) == 2  # steps 7 and 8 only
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
+    from searchlite.config import ConfigError
+
+    ids, mask, attention = rows(byte_tokenizer, n=4)
+    kw = dict(attention_mask=attention, batch_size=2, progress=False, state_path=tmp_path / "s.pt")
+    sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-2, **kw)
+    with pytest.raises(ConfigError, match=r"s.pt: saved by an SFT with lr = 0.01, this one has lr = 0.001; rerun"):
+        sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw)
