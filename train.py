@@ -392,7 +392,7 @@ def main(argv=None) -> None:
 
         # -------------------------------------------------------------- checkpoint
         stopping = dist.all_max(int(stop.requested)) > 0  # torchrun: every rank stops after the same step
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
             # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
             # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
             state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),

@@ -116,7 +116,7 @@ class Config:
     log_trajectories_every: int = 10  # write a few whole trajectories (HTML) every N steps; 0 = never
     eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end
     eval_size: int = 0  # test questions used per evaluation; 0 = all
-    save_every: int = 10  # checkpoint every N steps (and at the end)
+    save_every: int = 10  # checkpoint every N steps (and at the end, and on Ctrl-C); 0 = only then
 
 
 def field_help() -> dict[str, str]:

@@ -74,15 +74,15 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
 
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
-    """Ctrl-C during step 2 of a run that saves every 10 steps: the step finishes, is
-    checkpointed, the run stops; --resume then ends where an uninterrupted run ends."""
+    """Ctrl-C during step 2 of a run that saves only at its end (--save_every 0): the step
+    finishes, is checkpointed, the run stops; --resume then ends where an uninterrupted run ends."""
     import os
     import signal
 
     from safetensors.torch import load_file
 
     full, part = tmp_path / "full", tmp_path / "part"
-    train.main(args(tiny_model, full, "grpo", steps=3, extra=["--save_every", "10"]))
+    train.main(args(tiny_model, full, "grpo", steps=3, extra=["--save_every", "0"]))
     rewards, calls = train.compute_rewards, []
 
     def ctrl_c_in_step_2(ro, qs):
@@ -92,12 +92,12 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
         return rewards(ro, qs)
 
     monkeypatch.setattr(train, "compute_rewards", ctrl_c_in_step_2)
-    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "10"]))
+    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0"]))
     assert "stopped after step 2, checkpoint saved: rerun with --resume" in capsys.readouterr().out
     assert torch.load(part / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
     monkeypatch.setattr(train, "compute_rewards", rewards)
-    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "10", "--resume"]))
+    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0", "--resume"]))
     wa = load_file(full / "checkpoint" / "policy" / "model.safetensors")
     wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
