@@ -192,8 +192,9 @@ def main(argv=None) -> None:
     torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ models, data, retriever
-    ckpt = find_checkpoint(out) if cfg.resume else None  # resume: weights from the checkpoint, the rest below
-    if not cfg.resume and find_checkpoint(out) and dist.is_main():
+    found = find_checkpoint(out)
+    ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
+    if found and not cfg.resume and dist.is_main():
         print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh and replaces it at its "
               "first save (--resume continues it instead)", flush=True)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)

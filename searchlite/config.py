@@ -243,10 +243,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     return cfg
 
 
-CHOICES = {  # fields that take one of a few values
-    "parallel": ("auto", "ddp", "fsdp"),
-    "dtype": ("float32", "bfloat16", "float16"),
-    "retriever": ("bm25", "rank_bm25", "dense", "http"),
+CHOICES = {  # fields that take one of a few values (parallel, dtype and retriever: in check_config)
     "pooling": ("mean", "cls"),
     "protocol": ("search_r1", "r1_searcher_pp"),
     "sampler": ("hf", "vllm"),
@@ -271,10 +268,13 @@ def is_hub_name(spec: str) -> bool:
 def check_config(cfg: Config) -> None:
     """Raise ConfigError for a value no run can use, before any model or data is loaded: an
     unknown choice, a count out of range, a missing file, settings that contradict each other."""
-    from .models import pick_device
+    from .distributed import PARALLEL_MODES
+    from .models import DTYPES, pick_device
     from .protocol import rewrite_path, template_path
+    from .retrieval import KINDS
 
-    for name, valid in CHOICES.items():
+    choices = {"parallel": PARALLEL_MODES, "dtype": tuple(DTYPES), "retriever": KINDS, **CHOICES}
+    for name, valid in choices.items():
         value = getattr(cfg, name)
         if value not in valid:
             raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
@@ -326,9 +326,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     flag's help ends with its default unless it already says it or has none (None, '', False)."""
 
     def _get_help_string(self, action):
-        text = action.help or ""
-        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS or any(
-                action.default is none for none in (None, False)) or action.default == "":
+        text, default = action.help or "", action.default
+        none = default is None or default is False or default == "" or default is argparse.SUPPRESS
+        if not action.option_strings or "default" in text or none:
             return text
         return f"{text} (default: %(default)s)"
 
