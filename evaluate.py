@@ -238,8 +238,8 @@ def parse_args(argv=None):
     a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a("--device", default="auto", help="auto | cpu | cuda")
     a("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
-    a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process vLLM engine: much faster "
-      "for large batches; install with ./setup.sh vllm)")
+    a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process "
+      "vLLM engine: much faster for large batches; install with ./setup.sh vllm)")
     a("--retriever", default="bm25", help="bm25 | rank_bm25 | dense | http")
     a("--corpus", default="toy/corpus.jsonl", help="passages JSONL for an in-process retriever")
     a("--retriever_url", default="", help="a Search-R1-compatible retrieval server (implies --retriever http)")

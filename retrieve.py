@@ -32,8 +32,6 @@ def make(args):
     if getattr(args, "url", None):
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
-    if corpus and not os.path.isfile(corpus):
-        raise FileNotFoundError(f"--corpus {args.corpus}: no such file")
     kind = None if args.kind == "auto" else args.kind
     dense_kw = dict(device=args.device, mmap=args.mmap)
     if args.index and os.path.isdir(args.index):
@@ -56,8 +54,6 @@ def build(args) -> None:
     if not args.corpus:
         sys.exit("error: build needs --corpus")
     corpus, t0 = resolve_path(args.corpus), time.time()
-    if not os.path.isfile(corpus):
-        sys.exit(f"error: --corpus {args.corpus}: no such file")
     kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
     if kind == "dense":
         if not args.encoder:
@@ -117,6 +113,8 @@ def main(argv=None) -> None:
             a("--max_query_chars", type=int, default=4096, help="characters per query at most")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
+    if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
+        sys.exit(f"error: --corpus {args.corpus}: no such file")
     try:
         if args.cmd == "build":
             return build(args)

@@ -415,7 +415,7 @@ def stage1(cfg) -> Path:
     counts |= {"sft_steps": len(losses), "sft_loss": sum(tail) / len(tail), "sft_first_loss": losses[0],
                "seconds": time.time() - t0}
     (out / "stage1.json").write_text(json.dumps(counts, indent=2) + "\n")
-    (out / "sft_state.pt").unlink(missing_ok=True)  # as large as the model and its optimizer: not needed once the model is saved
+    (out / "sft_state.pt").unlink(missing_ok=True)  # the size of the model and its optimizer, now not needed
     print(f"stage 1: sft loss {counts['sft_loss']:.4f} over {len(losses)} steps; wrote {out / 'model'} "
           f"in {counts['seconds']:.0f}s", flush=True)
     return out / "model"

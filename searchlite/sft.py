@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError
 from .losses import token_logprobs
+from .models import rng_state, set_rng_state
 
 
 def sft_loss(model, input_ids, loss_mask, attention_mask=None) -> torch.Tensor:
@@ -100,7 +101,7 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
 def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> None:
     """Everything `sft` needs to continue, written to a temporary file and renamed over `path`."""
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "losses": losses,
-             "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state_all(), "settings": settings}
+             "rng": rng_state(), "settings": settings}
     tmp = Path(f"{path}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -116,7 +117,5 @@ def load_state(path, model, opt, sched, settings: dict) -> list[float]:
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     sched.load_state_dict(state["sched"])
-    torch.set_rng_state(state["rng"])
-    if state["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    set_rng_state(state["rng"])
     return state["losses"]
