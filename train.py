@@ -417,6 +417,8 @@ def main(argv=None) -> None:
         metrics_file.close()
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed
     dist.close()
+    if stop.requested:  # 130 after Ctrl-C: a script running this stops too (GracefulStop)
+        sys.exit(128 + stop.signum)
 
 
 if __name__ == "__main__":

@@ -150,18 +150,20 @@ def set_rng_state(state: dict) -> None:
 class GracefulStop:
     """From its creation until `restore()`, Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption)
     only sets `requested`: the loop checkpoints at the end of its step and stops, so nothing
-    trained is lost and `--resume` continues exactly. A second signal stops at once."""
+    trained is lost and `--resume` continues exactly. A second signal stops at once. The program
+    then exits with status 128 + the signal number, as a shell reports a killed one, so that a
+    script that ran it (`set -e`) stops too instead of going on to its next command."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.signum = False, 0
         self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
         print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again to "
               "stop at once", flush=True)
 

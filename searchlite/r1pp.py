@@ -406,9 +406,10 @@ def stage1(cfg) -> Path:
                  lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
                  grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
     stop.restore()
-    if stop.requested:
-        sys.exit(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: rerun the same "
-                 "command with --resume to continue")
+    if stop.requested:  # exit status 128 + the signal, as train.py's (GracefulStop)
+        print(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: rerun the same "
+              "command with --resume to continue", flush=True)
+        sys.exit(128 + stop.signum)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     tail = losses[-20:]

@@ -2,6 +2,7 @@
 rewrite data for memorization, the zero weight of L_M at mu = 0, and stage 1 / stage 2 end to end."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -364,7 +365,7 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == stamp  # finished: nothing redone
 
 
-def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_path, monkeypatch):
+def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_path, monkeypatch, capsys):
     """Ctrl-C during SFT step 2: the step finishes, its state is saved, stage 1 stops; --resume
     takes the SFT from step 3 and writes the model an uninterrupted stage 1 writes."""
     import os
@@ -386,8 +387,10 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
 
     monkeypatch.setattr(searchlite.sft, "sft_loss", loss_and_ctrl_c)
     part = tmp_path / "part"
-    with pytest.raises(SystemExit, match="stopped after SFT step 2, its state saved in .*sft_state.pt: rerun"):
+    with pytest.raises(SystemExit) as stopped:
         r1pp.main([*flags, "--out_dir", str(part)])
+    assert stopped.value.code == 130  # 128 + SIGINT, as train.py
+    assert re.search(r"stopped after SFT step 2, its state saved in .*sft_state.pt: rerun", capsys.readouterr().out)
     assert (part / "sft_state.pt").exists() and not (part / "model").exists()
     r1pp.main([*flags, "--out_dir", str(part), "--resume"])
     assert len(calls) == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice

@@ -92,7 +92,9 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
         return rewards(ro, qs)
 
     monkeypatch.setattr(train, "compute_rewards", ctrl_c_in_step_2)
-    train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0"]))
+    with pytest.raises(SystemExit) as stopped:  # 128 + SIGINT, so that a script running train.py stops too
+        train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0"]))
+    assert stopped.value.code == 130
     assert "stopped after step 2, checkpoint saved: rerun with --resume" in capsys.readouterr().out
     assert torch.load(part / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
