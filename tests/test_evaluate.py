@@ -312,6 +312,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_path, capsys):
+    """--model RUN (or RUN/checkpoint/policy) brings the run's --protocol and --template; a flag
+    still overrides them; a plain model folder gets the defaults."""
+    import hashlib
+    import shutil
+
+    from searchlite.protocol import get_protocol
+
+    run = tmp_path / "run"
+    shutil.copytree(world / "model", run / "checkpoint" / "policy")
+    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy", "algo": "grpo"}))
+    base = ["--data", str(world / "beta.jsonl"), "--corpus", str(world / "corpus.jsonl"), "--max_new_tokens", "3",
+            "--max_turns", "1", "--progress", "false"]
+    for model, extra, expected in [(run, [], ("r1_searcher_pp", "toy")),
+                                   (run / "checkpoint" / "policy", [], ("r1_searcher_pp", "toy")),
+                                   (run, ["--protocol", "search_r1"], ("search_r1", "toy")),
+                                   (world / "model", [], ("search_r1", "toy"))]:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        evaluate.main(["--model", str(model), *base, "--out", str(out), *extra])
+        saved = json.loads((out / "run.json").read_text())
+        assert saved["protocol"] == expected[0], (model, extra)
+        assert saved["template"] == hashlib.sha1(get_protocol(*expected).template.encode()).hexdigest()[:12]
+    assert f"--protocol 'r1_searcher_pp': as trained ({run / 'config.json'})" in capsys.readouterr().out
+
+
 def test_error_unknown_dataset_names_paths(world, tmp_path):
     with pytest.raises(SystemExit) as e:
         evaluate.main(cli(world, tmp_path / "o", "--data", "nq", "--data_dir", str(tmp_path / "qa")))
