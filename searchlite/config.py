@@ -265,21 +265,25 @@ def is_hub_name(spec: str) -> bool:
             and not Path(spec).exists())
 
 
-def check_config(cfg: Config) -> None:
+def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     """Raise ConfigError for a value no run can use, before any model or data is loaded: an
-    unknown choice, a count out of range, a missing file, settings that contradict each other."""
+    unknown choice, a count out of range, a missing file, settings that contradict each other.
+    `reads`, when given (as to parse_args), limits the checks to the fields the program uses."""
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
     from .protocol import rewrite_path, template_path
     from .retrieval import KINDS
 
+    def used(name: str) -> bool:
+        return not reads or name in reads
+
     choices = {"parallel": PARALLEL_MODES, "dtype": tuple(DTYPES), "retriever": KINDS, **CHOICES}
     for name, valid in choices.items():
         value = getattr(cfg, name)
-        if value not in valid:
+        if used(name) and value not in valid:
             raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
     for name, low in AT_LEAST.items():
-        if getattr(cfg, name) < low:
+        if used(name) and getattr(cfg, name) < low:
             raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
     for name in ("model", "tokenizer"):
@@ -292,7 +296,7 @@ def check_config(cfg: Config) -> None:
                               "(config.json + weights) or a hub name (org/name)")
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
     for name in files + (["index"] if cfg.index else []):
-        if not Path(resolve_path(getattr(cfg, name))).exists():
+        if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():
             raise ConfigError(f"--{name} {getattr(cfg, name)}: no such file")
     if cfg.retriever == "http" and not cfg.retriever_url:
         raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
@@ -303,7 +307,7 @@ def check_config(cfg: Config) -> None:
     if not prompt.exists():
         raise ConfigError(f"--template {cfg.template!r}: {prompt} does not exist; give a prompt file with "
                           f"{{question}}, or a set here: {', '.join(_template_sets(cfg.protocol))}")
-    if cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
+    if used("mem_coef") and cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
         raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
                           f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "
                           "--protocol r1_searcher_pp)")

@@ -447,7 +447,7 @@ def main(argv=None) -> None:
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
                          reads=STAGE1_FIELDS)
-        check_config(cfg)
+        check_config(cfg, STAGE1_FIELDS)
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log
         sys.exit(f"error: {e}")

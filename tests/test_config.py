@@ -155,6 +155,20 @@ def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):
     assert got is not None and message in got, got
 
 
+def test_a_program_is_checked_only_on_the_fields_it_reads():
+    """Stage 1 reads no test set: a preset whose test file is missing does not stop it."""
+    from searchlite.config import check_config
+    from searchlite.r1pp import STAGE1_FIELDS
+
+    cfg = parse_args(["--test_data", "nowhere/test.jsonl", "--mem_coef", "0.1", "--algo", "grp"])
+    check_config(cfg, STAGE1_FIELDS)
+    with pytest.raises(ConfigError, match="--algo 'grp'"):
+        check_config(cfg)
+    cfg.algo = "grpo"
+    with pytest.raises(ConfigError, match="--test_data nowhere/test.jsonl: no such file"):
+        check_config(cfg)
+
+
 def test_a_missing_stage_1_model_says_to_run_stage_1():
     got = checked("--preset", "toy-r1pp", "--model", "runs/never-ran/model")
     assert got.startswith("--model runs/never-ran/model: no such folder (an earlier run's output")
