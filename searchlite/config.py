@@ -45,7 +45,7 @@ class Config:
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu" or "cuda"
     parallel: str = "auto"  # under torchrun: ddp | fsdp (FSDP2) | auto (FSDP2 from 1B trained parameters, else DDP)
     steps: int = 1005  # RL steps (one step = one batch of questions rolled out and trained on)
-    resume: bool = False  # continue from the latest checkpoint in out_dir (R1-Searcher++ stage 1: its sampling log)
+    resume: bool = False  # continue from the latest checkpoint in out_dir (R1-Searcher++ stage 1: its sampling log, SFT state)
     # --- model
     model: str = "toy/model"  # policy: Hugging Face folder or hub name; toy/model is the embedded warm start
     tokenizer: str = ""  # tokenizer folder; empty = same as model
