@@ -23,6 +23,8 @@ from __future__ import annotations
 import random
 import re
 
+from .config import ConfigError
+
 YEAR = re.compile(r"^\d{3,4}$")
 
 
@@ -30,6 +32,11 @@ class Teacher:
     def __init__(self, tokenizer, protocol, qa: list, *, seed: int = 0, p_guess: float = 0.3,
                  p_famous_internal: float = 0.9, p_stop: float = 0.45, p_verbatim: float = 0.05,
                  p_wrong_span: float = 0.05, quote: bool = False):
+        lacking = next((q for q in qa if "hops" not in q.meta), None)
+        if lacking is not None:
+            raise ConfigError(f"--cold_start_sampler teacher: question {lacking.id!r} has no 'hops'; the teacher "
+                              "scripts its trajectories from the toy world's hops. For other data, sample from the "
+                              "model: --cold_start_sampler policy --sft_rewrites 0")
         self.tok, self.protocol, self.rng = tokenizer, protocol, random.Random(seed)
         self.quote = quote
         self.by_question = {q.question.strip(): q for q in qa}

@@ -75,3 +75,11 @@ def test_a_stop_after_the_first_hop_answers_the_bridge():
     teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **(EXACT | {"p_stop": 1.0}))
     response, n = play(teacher, q.question)
     assert n == 1 and answer(response) == "Tesk"
+
+
+def test_questions_without_hops_are_refused_with_the_way_out():
+    from searchlite.config import ConfigError
+
+    plain = QA(id="hq1", question="Who wrote it?", answers=["Lira Dun"], meta={})
+    with pytest.raises(ConfigError, match=r"question 'hq1' has no 'hops'.*--cold_start_sampler policy"):
+        Teacher(None, PP, [plain])
