@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
-from searchlite.data import Passage, split_contents
+from searchlite.data import split_contents
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import save_bag_of_words_bert
 
-from searchlite.bm25 import BM25Index, tokenize
+from searchlite.bm25 import tokenize
 from searchlite.config import TOY_DIR
 from searchlite.corpus import Corpus
 from searchlite.data import DataError, Passage, read_corpus
