@@ -74,9 +74,13 @@ def init(device: torch.device) -> torch.device:
 
 
 def close() -> None:
-    """Leave the process group init() created (not one another library made, e.g. vLLM's own)."""
+    """Leave the process group init() created (not one another library made, e.g. vLLM's own).
+
+    The ranks meet first, so none closes its connections while another still talks on them
+    (gloo aborts a process whose peer hung up mid-transfer: "Connection reset by peer")."""
     global _own_group
     if _own_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     _own_group = False
 

@@ -9,16 +9,21 @@ test checks that it would be), gradients are not clipped, so a wrong scale canno
 the memorization rows all sit on rank 0, so rank 1 runs the zero-weight passes that keep the
 ranks' backward calls in step.
 An optimizer that records the gradients at each step() stands in for AdamW. The same processes
-check the cross-rank reductions and FSDP2's optimizer-state round trip for checkpoints.
+check the cross-rank reductions and FSDP2's optimizer-state round trip for checkpoints. Each
+process's stderr goes to a file that a failure shows; a pair killed by a signal runs once more,
+with a warning that carries what they printed.
 `test_torchrun_train_smoke` runs `torchrun --nproc_per_node 2 train.py` for two steps.
 """
 
+import faulthandler
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,6 +131,9 @@ def run_update(case: str, batch: dict, rows: list[int], with_mem: bool, model_di
 
 
 def worker(rank: int, world: int, port: int, tmp: str) -> None:
+    log = open(Path(tmp) / f"rank{rank}.log", "w")  # open until the process ends
+    os.dup2(log.fileno(), 2)  # what this process prints, native aborts included, for the test to show
+    faulthandler.enable(log)  # and the Python stack of a crash
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -179,6 +187,18 @@ def optimizer_round_trip(batch: dict, mine: list[int], model_dir: str) -> dict:
     return {"state": state, "params": params, "reload_equal": dist.all_sum(float(same)) == dist.world()}
 
 
+def worker_logs(tmp: Path, lines: int = 30) -> str:
+    """The last lines each process wrote to its stderr, led by the line most likely to name the
+    cause (a C++ exception's what(), else an error), so pytest's one-line summary shows it too."""
+    out, causes = "", []
+    for log in sorted(Path(tmp).glob("rank*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        for priority, pattern in enumerate((r"what\(\)", r"Error\b")):
+            causes += [(priority, f" ({log.stem}: {line.strip()})") for line in text if re.search(pattern, line)]
+        out += f"\n--- {log.stem}, last {min(lines, len(text))} lines of stderr ---\n" + "\n".join(text[-lines:])
+    return min(causes, default=(0, ""))[1] + out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,14 +222,28 @@ def setup(tmp_path_factory, byte_tokenizer):
     torch.save(head.state_dict(), Path(model_dir) / "value_head.pt")
     batch = make_batch(model_dir, len(byte_tokenizer))
     torch.save({"batch": batch, "model_dir": model_dir}, tmp / "inputs.pt")
+    for attempt in (1, 2):
+        try:
+            run_workers(tmp)
+            break
+        except mp.ProcessExitedException as e:  # killed by a signal: what the processes printed says why
+            if attempt == 2:
+                pytest.fail(f"{e}{worker_logs(tmp)}")
+            # A process killed by a signal (gloo's transport can abort one on a dropped connection)
+            # is run once more, loudly; a Python error or a wrong number is never retried.
+            warnings.warn(f"the two processes crashed, running them again: {e}{worker_logs(tmp)}", stacklevel=1)
+    return batch, model_dir, torch.load(tmp / "outputs.pt", weights_only=False)
+
+
+def run_workers(tmp: Path) -> None:
+    """Spawn the two processes and wait for them (at most 300 s)."""
     procs = mp.spawn(worker, args=(2, free_port(), str(tmp)), nprocs=2, join=False)
     deadline = time.time() + 300
     while not procs.join(timeout=5):  # raises if a process failed, with its traceback
         if time.time() > deadline:
             for p in procs.processes:
                 p.kill()
-            pytest.fail("the two processes did not finish within 300 s")
-    return batch, model_dir, torch.load(tmp / "outputs.pt", weights_only=False)
+            pytest.fail("the two processes did not finish within 300 s" + worker_logs(tmp))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
