@@ -293,7 +293,7 @@ def main(argv=None) -> None:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
-    stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint it, stop (a second Ctrl-C: at once)
+    stop = GracefulStop(announce=dist.is_main())  # Ctrl-C: finish the step, checkpoint it, stop (again: at once)
     for step in range(start, cfg.steps):
         t0 = time.time()
         # -------------------------------------------------------------- rollouts

@@ -156,16 +156,17 @@ class GracefulStop:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
-        self.requested, self.signum = False, 0
+    def __init__(self, announce: bool = True):
+        self.requested, self.signum, self.announce = False, 0, announce  # announce: print what happens
         self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again to "
-              "stop at once", flush=True)
+        if self.announce:
+                print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
+                  "to stop at once", flush=True)
 
     def restore(self) -> None:
         for s, handler in zip(self.SIGNALS, self.previous):

@@ -12,13 +12,15 @@ An optimizer that records the gradients at each step() stands in for AdamW. The 
 check the cross-rank reductions and FSDP2's optimizer-state round trip for checkpoints. Each
 process's stderr goes to a file that a failure shows; a pair killed by a signal runs once more,
 with a warning that carries what they printed.
-`test_torchrun_train_smoke` runs `torchrun --nproc_per_node 2 train.py` for two steps.
+`test_torchrun_train_smoke` runs `torchrun --nproc_per_node 2 train.py` for two steps, and the
+next test stops such a run with Ctrl-C.
 """
 
 import faulthandler
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -343,3 +345,35 @@ def test_torchrun_train_smoke(tiny_model, tmp_path):
     state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
     assert state["step"] == 2 and len(state["sampler"]) == 2  # each rank's sampler state
     assert isinstance(next(iter(state["opt"]["state"])), int)  # one process's optimizer-state format
+
+
+def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
+    """Ctrl-C reaches torchrun, which passes it on to each rank: the ranks finish the same step,
+    rank 0 checkpoints it and says so once, and the metrics end at that step."""
+    from test_train import args
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
+           *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4", "--eval_every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # wait until training runs
+            seen.append(line)
+            if "step    1 |" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        seen += proc.stdout.readlines()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    text = "".join(seen)
+    assert text.count("finishing this step and saving a checkpoint") == 1, text[-3000:]  # rank 0 alone says it
+    stopped = re.findall(r"stopped after step (\d+), checkpoint saved", text)
+    assert len(stopped) == 1, text[-3000:]
+    step = int(stopped[0])
+    assert 1 <= step < 500
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == step
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][-1] == step
