@@ -15,7 +15,9 @@ suddenly, after about 2,000 updates: batches of 32 (900 updates in the time budg
 there, batches of 4 do, and the imperfect teacher's guesses, trained on from the start, drown
 the few tokens where a value is read; (4) save it as a Hugging Face folder, `toy/model`.
 Everything is seeded and runs on a fixed number of threads with deterministic algorithms, so
-the same machine rebuilds the same bytes.
+the same machine rebuilds the same bytes. Ctrl-C finishes the SFT step and saves the phase's
+state (OUT/warmstart_state_*.pt, also at each phase's end); the same command with `--resume`
+continues there and writes the same bytes as a build never stopped.
 Left out on purpose: any pretrained weights; the world is fictional so none would help.
 """
 
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .config import TOY_DIR, HelpFormatter
+from .config import TOY_DIR, ConfigError, HelpFormatter
 
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -92,28 +95,46 @@ def main(argv=None) -> None:
                     help="SFT batch size (default 4: reading emerges after ~2,000 updates, and small batches fit more)")
     ap.add_argument("--famous_repeats", "--famous-repeats", type=int, default=1,
                     help="extra passes over famous questions (default 1)")
+    ap.add_argument("--questions", type=int, default=0,
+                    help="teach on the first N train questions only, for a quick small build (default 0: all)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue a build stopped by Ctrl-C from its SFT state (OUT/warmstart_state_*.pt); it "
+                         "ends with the bytes an uninterrupted build writes")
     args = ap.parse_args(argv)
+    try:
+        build(args)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+
+def build(args) -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     t0 = time.time()
 
     from . import toyworld
     from .data import read_qa
-    from .models import load_tokenizer
+    from .models import GracefulStop, load_tokenizer
     from .retrieval import build_retriever
     from .sft import sft
 
     out = Path(args.out)
     toyworld.main(["build", "--seed", str(args.seed), "--out", str(out)])
     tokenizer = load_tokenizer(str(out))
-    qa = read_qa(out / "train.jsonl")
+    qa = read_qa(out / "train.jsonl")[:args.questions or None]
     retriever = build_retriever("bm25", str(out / "corpus.jsonl"))
     model = make_model(tokenizer, args.seed)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     # Reading first: the imperfect teacher's guesses are noise a tiny model must fit, and they
     # drown the few tokens where a value is read from a passage; learnt first, reading stays.
     phases = [("careful", args.read_passes, CAREFUL), ("imperfect", args.epochs, None)]
+    # Each phase's SFT state: saved at its end and on Ctrl-C, so --resume redoes nothing trained.
+    states = {name: out / f"warmstart_state_{name}.pt" for name, _, _ in phases}
+    if not args.resume:
+        for path in states.values():
+            path.unlink(missing_ok=True)
+    stop = GracefulStop()  # Ctrl-C: the SFT step finishes, the phase's state is saved, the build stops
     seed = args.seed * 1000
     for k, (name, passes, teacher) in enumerate(phases):
         seeds, seed = list(range(seed, seed + passes)), seed + passes
@@ -122,11 +143,21 @@ def main(argv=None) -> None:
         print(f"{name} teacher: {len(input_ids)} trajectories, {int(attention_mask.sum())} tokens "
               f"({int(loss_mask.sum())} trained on)", flush=True)
         losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
-                     batch_size=args.batch_size, warmup=50, seed=args.seed + k)
+                     batch_size=args.batch_size, warmup=50, seed=args.seed + k, state_path=states[name], stop=stop)
+        if stop.requested:
+            break
+    stop.restore()
+    if stop.requested:  # exit status 128 + the signal, as train.py's (GracefulStop)
+        print(f"stopped after step {len(losses)} of the {name} phase, its state saved in {states[name]}: rerun the "
+              "same command with --resume to continue", flush=True)
+        sys.exit(128 + stop.signum)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
+    for path in states.values():
+        path.unlink(missing_ok=True)
     digest = hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()[:16]
-    print(f"final sft loss {sum(losses[-20:]) / 20:.4f}; wrote {out / 'model'} (sha256 {digest}) "
+    tail = losses[-20:]
+    print(f"final sft loss {sum(tail) / len(tail):.4f}; wrote {out / 'model'} (sha256 {digest}) "
           f"in {time.time() - t0:.0f}s", flush=True)
 
 

@@ -1,6 +1,12 @@
-"""The shipped warm-start checkpoint loads and writes well-formed trajectories."""
+"""The shipped warm-start checkpoint loads and writes well-formed trajectories; a build stopped
+by Ctrl-C and resumed writes the bytes of one never stopped."""
+
+import hashlib
+import os
+import signal
 
 import pytest
+import torch
 
 from searchlite.config import TOY_DIR, resolve_path
 from searchlite.data import read_qa
@@ -9,10 +15,10 @@ from searchlite.retrieval import build_retriever
 from searchlite.rollout import rollout
 from searchlite.sampler import HFSampler
 
-pytestmark = pytest.mark.skipif(not (TOY_DIR / "model" / "model.safetensors").exists(),
-                                reason="the toy warm-start model is not built (python -m searchlite.warmstart)")
 
 
+@pytest.mark.skipif(not (TOY_DIR / "model" / "model.safetensors").exists(),
+                    reason="the toy warm-start model is not built (python -m searchlite.warmstart)")
 def test_shipped_checkpoint_rolls_out_well_formed():
     from searchlite.models import load_policy, load_tokenizer
 
@@ -28,3 +34,49 @@ def test_shipped_checkpoint_rolls_out_well_formed():
         assert ro.responses[i].startswith("<think>"), ro.responses[i][:80]
         assert protocol.format_ok(ro.responses[i]), ro.responses[i]
     assert ro.answered.all()
+
+
+@pytest.fixture()
+def torch_settings():
+    """warmstart fixes the thread count and turns on deterministic algorithms: put both back."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.parametrize("stop_at", [3, 14])  # SFT steps: in the careful phase (9 steps), in the imperfect one (9)
+def test_stopped_and_resumed_build_writes_the_same_model(tmp_path, monkeypatch, capsys, torch_settings, stop_at):
+    from searchlite import sft, warmstart
+
+    small = ["--questions", "30", "--read_passes", "1", "--epochs", "1", "--threads", "1"]
+    digest = lambda out: hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    loss, calls, ctrl_c_at = sft.sft_loss, [], [0]
+
+    def counted(*a, **k):  # counts SFT steps; sends Ctrl-C while step `ctrl_c_at` runs
+        calls.append(1)
+        if len(calls) == ctrl_c_at[0]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss(*a, **k)
+
+    monkeypatch.setattr(sft, "sft_loss", counted)
+    warmstart.main(["--out", str(tmp_path / "whole"), *small])
+    steps = len(calls)
+    assert steps == 18
+
+    calls.clear()
+    ctrl_c_at[0] = stop_at
+    out = tmp_path / "stopped"
+    with pytest.raises(SystemExit) as stopped:
+        warmstart.main(["--out", str(out), *small])
+    assert stopped.value.code == 130
+    assert "rerun the same command with --resume" in capsys.readouterr().out
+    assert not (out / "model" / "model.safetensors").exists()
+    assert len(calls) == stop_at  # the step in hand finished, no other began
+
+    calls.clear()
+    ctrl_c_at[0] = 0
+    warmstart.main(["--out", str(out), *small, "--resume"])
+    assert len(calls) == steps - stop_at  # nothing trained is trained again
+    assert digest(out) == digest(tmp_path / "whole")
+    assert list(out.glob("warmstart_state_*.pt")) == []  # removed once the model is written
