@@ -165,7 +165,7 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
         if self.announce:
-                print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
+            print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
                   "to stop at once", flush=True)
 
     def restore(self) -> None:

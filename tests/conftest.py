@@ -1,6 +1,8 @@
 """Shared fixtures: a byte-level tokenizer with the protocols' tags, tiny random Llamas."""
 
 import json
+import os
+import signal
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -21,6 +23,21 @@ def load_bench(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class CtrlC:
+    """Stands in for `owner.name` (monkeypatched), counting its calls in `calls`; during call
+    number `at` (0: none) it sends this process SIGINT, as a Ctrl-C would."""
+
+    def __init__(self, monkeypatch, owner, name: str, at: int = 0):
+        self.real, self.calls, self.at = getattr(owner, name), 0, at
+        monkeypatch.setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.real(*args, **kwargs)
 
 
 def make_byte_tokenizer():

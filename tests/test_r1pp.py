@@ -368,24 +368,14 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
 def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_path, monkeypatch, capsys):
     """Ctrl-C during SFT step 2: the step finishes, its state is saved, stage 1 stops; --resume
     takes the SFT from step 3 and writes the model an uninterrupted stage 1 writes."""
-    import os
-    import signal
-
     import searchlite.sft
+    from conftest import CtrlC
     from safetensors.torch import load_file
 
     flags = ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--sft_questions", "6", "--group", "2",
              "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "0", "--sft_epochs", "2"]
     r1pp.main([*flags, "--out_dir", str(tmp_path / "whole")])
-    real, calls = searchlite.sft.sft_loss, []
-
-    def loss_and_ctrl_c(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*args)
-
-    monkeypatch.setattr(searchlite.sft, "sft_loss", loss_and_ctrl_c)
+    ctrl_c = CtrlC(monkeypatch, searchlite.sft, "sft_loss", at=2)  # during SFT step 2
     part = tmp_path / "part"
     with pytest.raises(SystemExit) as stopped:
         r1pp.main([*flags, "--out_dir", str(part)])
@@ -393,7 +383,7 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
     assert re.search(r"stopped after SFT step 2, its state saved in .*sft_state.pt: rerun", capsys.readouterr().out)
     assert (part / "sft_state.pt").exists() and not (part / "model").exists()
     r1pp.main([*flags, "--out_dir", str(part), "--resume"])
-    assert len(calls) == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice
+    assert ctrl_c.calls == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice
     a, b = (load_file(run / "model" / "model.safetensors") for run in (tmp_path / "whole", part))
     assert all(torch.equal(a[k], b[k]) for k in a) and not (part / "sft_state.pt").exists()
 

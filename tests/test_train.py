@@ -76,29 +76,21 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
                                                                    capsys):
     """Ctrl-C during step 2 of a run that saves only at its end (--save_every 0): the step
     finishes, is checkpointed, the run stops; --resume then ends where an uninterrupted run ends."""
-    import os
     import signal
 
+    from conftest import CtrlC
     from safetensors.torch import load_file
 
     full, part = tmp_path / "full", tmp_path / "part"
     train.main(args(tiny_model, full, "grpo", steps=3, extra=["--save_every", "0"]))
-    rewards, calls = train.compute_rewards, []
-
-    def ctrl_c_in_step_2(ro, qs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return rewards(ro, qs)
-
-    monkeypatch.setattr(train, "compute_rewards", ctrl_c_in_step_2)
+    ctrl_c = CtrlC(monkeypatch, train, "compute_rewards", at=2)  # during step 2
     with pytest.raises(SystemExit) as stopped:  # 128 + SIGINT, so that a script running train.py stops too
         train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0"]))
     assert stopped.value.code == 130
     assert "stopped after step 2, checkpoint saved: rerun with --resume" in capsys.readouterr().out
     assert torch.load(part / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
-    monkeypatch.setattr(train, "compute_rewards", rewards)
+    ctrl_c.at = 0
     train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0", "--resume"]))
     wa = load_file(full / "checkpoint" / "policy" / "model.safetensors")
     wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")

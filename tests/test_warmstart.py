@@ -2,8 +2,6 @@
 by Ctrl-C and resumed writes the bytes of one never stopped."""
 
 import hashlib
-import os
-import signal
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from searchlite.protocol import get_protocol
 from searchlite.retrieval import build_retriever
 from searchlite.rollout import rollout
 from searchlite.sampler import HFSampler
-
 
 
 @pytest.mark.skipif(not (TOY_DIR / "model" / "model.safetensors").exists(),
@@ -47,36 +44,27 @@ def torch_settings():
 
 @pytest.mark.parametrize("stop_at", [3, 14])  # SFT steps: in the careful phase (9 steps), in the imperfect one (9)
 def test_stopped_and_resumed_build_writes_the_same_model(tmp_path, monkeypatch, capsys, torch_settings, stop_at):
+    from conftest import CtrlC
     from searchlite import sft, warmstart
 
     small = ["--questions", "30", "--read_passes", "1", "--epochs", "1", "--threads", "1"]
     digest = lambda out: hashlib.sha256((out / "model" / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
-    loss, calls, ctrl_c_at = sft.sft_loss, [], [0]
-
-    def counted(*a, **k):  # counts SFT steps; sends Ctrl-C while step `ctrl_c_at` runs
-        calls.append(1)
-        if len(calls) == ctrl_c_at[0]:
-            os.kill(os.getpid(), signal.SIGINT)
-        return loss(*a, **k)
-
-    monkeypatch.setattr(sft, "sft_loss", counted)
+    ctrl_c = CtrlC(monkeypatch, sft, "sft_loss")  # counts SFT steps
     warmstart.main(["--out", str(tmp_path / "whole"), *small])
-    steps = len(calls)
+    steps = ctrl_c.calls
     assert steps == 18
 
-    calls.clear()
-    ctrl_c_at[0] = stop_at
+    ctrl_c.calls, ctrl_c.at = 0, stop_at
     out = tmp_path / "stopped"
     with pytest.raises(SystemExit) as stopped:
         warmstart.main(["--out", str(out), *small])
     assert stopped.value.code == 130
     assert "rerun the same command with --resume" in capsys.readouterr().out
     assert not (out / "model" / "model.safetensors").exists()
-    assert len(calls) == stop_at  # the step in hand finished, no other began
+    assert ctrl_c.calls == stop_at  # the step in hand finished, no other began
 
-    calls.clear()
-    ctrl_c_at[0] = 0
+    ctrl_c.calls, ctrl_c.at = 0, 0
     warmstart.main(["--out", str(out), *small, "--resume"])
-    assert len(calls) == steps - stop_at  # nothing trained is trained again
+    assert ctrl_c.calls == steps - stop_at  # nothing trained is trained again
     assert digest(out) == digest(tmp_path / "whole")
     assert list(out.glob("warmstart_state_*.pt")) == []  # removed once the model is written
