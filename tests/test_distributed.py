@@ -327,15 +327,19 @@ def test_fsdp_optimizer_state_is_one_process_format(setup):
         assert rel_err(got["params"][name], p.detach()) < 1e-5, name
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
+TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def test_torchrun_train_smoke(tiny_model, tmp_path):
     """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics file."""
     from test_train import args
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-           *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2", "--batch_size", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2",
+           "--batch_size", "4"]
+    res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # written once, by rank 0
@@ -353,10 +357,9 @@ def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
     from test_train import args
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-           *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4", "--eval_every", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=env, stdout=subprocess.PIPE,
+    cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4",
+           "--eval_every", "0"]
+    proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     seen = []
     try:
@@ -365,8 +368,7 @@ def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
             if "step    1 |" in line:
                 proc.send_signal(signal.SIGINT)
                 break
-        seen += proc.stdout.readlines()
-        proc.wait(timeout=120)
+        seen.append(proc.communicate(timeout=120)[0])  # the rest, till it exits
     finally:
         proc.kill()
     text = "".join(seen)
