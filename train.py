@@ -6,7 +6,7 @@
     python train.py --help                           # every setting, with its meaning
     torchrun --nproc_per_node 8 train.py --preset P  # several processes: searchlite/distributed.py
 
-The loop, top to bottom: config -> models -> for each step: sample questions -> rollouts
+The loop, top to bottom: config -> data and retriever -> models -> for each step: sample questions -> rollouts
 (Search-R1's Algorithm 1, a question's `group` samples adjacent) -> rewards (exact match,
 or R1-Searcher++'s format + cover-EM + group reward) -> memorization data (R1-Searcher++,
 when mem_coef > 0) -> old / reference log-probs (and values) -> advantages -> `ppo_epochs`
@@ -191,7 +191,16 @@ def main(argv=None) -> None:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    # ------------------------------------------------------------------ models, data, retriever
+    # ------------------------------------------------------------------ data, retriever, models
+    # data and retriever first: a bad line (its file, line and field) or a retrieval server that does not
+    # answer stops the run in seconds, not after a 3B model has loaded
+    try:
+        train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+        retriever = config_retriever(cfg)
+    except (DataError, ConfigError) as e:
+        sys.exit(f"error: {e}")
+    if cfg.eval_size:
+        test_qa = test_qa[:cfg.eval_size]
     found = find_checkpoint(out)
     ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
     if found and not cfg.resume and dist.is_main():
@@ -226,13 +235,6 @@ def main(argv=None) -> None:
     if critic is not None:
         critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay,
                                                   cfg.critic_warmup_steps, cfg.optimizer)
-    try:  # a bad data line (its file, line and field) or a retrieval server that does not answer
-        train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
-        retriever = config_retriever(cfg)
-    except (DataError, ConfigError) as e:
-        sys.exit(f"error: {e}")
-    if cfg.eval_size:
-        test_qa = test_qa[:cfg.eval_size]
     protocol = get_protocol(cfg.protocol, cfg.template)
     rank_seed = cfg.seed + 1_000_003 * dist.rank()  # each rank samples its own stream; rank 0's is cfg.seed
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=rank_seed,

@@ -365,14 +365,14 @@ def stage1(cfg) -> Path:
     save_config(cfg, out / "config.json")
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    device = pick_device(cfg.device)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
-    train_qa = read_qa(resolve_path(cfg.train_data))
+    train_qa = read_qa(resolve_path(cfg.train_data))  # data and retriever before the model: a bad line stops it sooner
     qa = list(train_qa)
     random.Random(cfg.seed).shuffle(qa)
     qa = qa[:cfg.sft_questions or len(qa)]
     retriever = config_retriever(cfg)
+    device = pick_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
     protocol = get_protocol(cfg.protocol, cfg.template)
     if cfg.cold_start_sampler == "teacher":
         from .teacher import Teacher

@@ -394,6 +394,17 @@ def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
                    "--cold_start_sampler", "policy", "--sft_rewrites", "2"])
 
 
+def test_stage1_reads_its_data_before_loading_the_model(tiny_model, tmp_path, monkeypatch):
+    from searchlite import models
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "who?", "golden_answers": "x"}\n')
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the data were read"))
+    with pytest.raises(SystemExit, match=rf"error: {data}:1: field 'golden_answers'"):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path / "out"),
+                   "--train_data", str(data)])
+
+
 def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
     with pytest.raises(SystemExit, match=r"does not read --lr \(it reads: --out_dir, --resume, .*--sft_lr"):
         r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr

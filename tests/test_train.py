@@ -147,6 +147,16 @@ def test_bad_flag_exits_with_message(tiny_model, tmp_path, capsys):
         train.main(["--grup", "5"])
 
 
+def test_bad_data_line_stops_the_run_before_any_model_loads(tiny_model, tmp_path, monkeypatch):
+    """The data are read before the models: a bad line is reported with its file, line and
+    field in seconds, not after a large model has loaded."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "who?", "golden_answers": ["x"]}\n{"question": "where?"}\n')
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the data were read"))
+    with pytest.raises(SystemExit, match=rf"error: {data}:2: missing field 'golden_answers'"):
+        train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--train_data", str(data)]))
+
+
 def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
     from searchlite.losses import token_logprobs
 
