@@ -48,6 +48,13 @@ class _StopRecorder:
         return done
 
 
+def _plain_generation_config(config):
+    """A GenerationConfig with only `config`'s special token ids: no penalty, filter or length rule."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**{k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+
+
 class HFSampler:
     """Batched sampling with transformers `generate` on the policy module itself."""
 
@@ -82,7 +89,9 @@ class HFSampler:
                  greedy: bool = False) -> list[list[int]]:
         max_new = max_new_tokens or self.max_new_tokens
         step = self.batch_size or len(prompts) or 1
-        with torch.random.fork_rng(devices=[]):
+        device = next(self.model.parameters()).device
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # manual_seed reseeds the GPU's generator too: keep it
             torch.manual_seed(self.seed + self.calls)
             self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
             out = []
@@ -101,8 +110,12 @@ class HFSampler:
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         recorder = _StopRecorder(self.tokenizer, stop, self.eos_ids, len(prompts), width)
-        was_training = self.model.training
+        was_training, saved = self.model.training, self.model.generation_config
         self.model.eval()
+        # generate() fills every setting not passed here from the checkpoint's generation config:
+        # Qwen2.5-Instruct's repetition_penalty 1.05 (or a no_repeat_ngram_size, bad_words_ids, ...)
+        # would sample from another distribution than the policy whose log-probs are trained on.
+        self.model.generation_config = _plain_generation_config(saved)
         try:
             seqs = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
@@ -112,5 +125,6 @@ class HFSampler:
             )  # (B, P + new)
         finally:
             self.model.train(was_training)
+            self.model.generation_config = saved
         new = seqs[:, width:].cpu()  # (B, new)
         return [new[i, : (recorder.done_at[i] or new.shape[1])].tolist() for i in range(len(prompts))]

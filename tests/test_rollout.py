@@ -144,3 +144,20 @@ def test_hf_sampler_ids_are_what_the_model_scores(byte_tokenizer):
         ids = torch.tensor([p + o])
         logits = model(ids).logits[0]  # (T, V)
         assert logits[len(p) - 1: -1].argmax(-1).tolist() == o
+
+
+def test_hf_sampler_ignores_the_checkpoint_sampling_settings(byte_tokenizer):
+    """A checkpoint's generation config (Qwen2.5-Instruct ships repetition_penalty 1.05) must not
+    change what is sampled: the rollout must come from the policy whose log-probs are trained on."""
+    tok = byte_tokenizer
+    prompts = [tok.encode("a", add_special_tokens=False), tok.encode("a much longer prompt", add_special_tokens=False)]
+    model = make_tiny_llama(tok, seed=5)
+    plain_greedy = HFSampler(model, tok, max_new_tokens=16).generate(prompts, greedy=True)
+    plain_sampled = HFSampler(model, tok, max_new_tokens=16, seed=3).generate(prompts)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 1
+    model.generation_config.top_k = 1
+    saved = model.generation_config.to_dict()
+    assert HFSampler(model, tok, max_new_tokens=16).generate(prompts, greedy=True) == plain_greedy
+    assert HFSampler(model, tok, max_new_tokens=16, seed=3).generate(prompts) == plain_sampled
+    assert model.generation_config.to_dict() == saved  # the checkpoint's own settings are kept for saving
