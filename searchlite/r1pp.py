@@ -73,11 +73,12 @@ def well_formed(response: str, protocol) -> bool:
     """R_format's test of a whole response (§4.2.1): see the module docstring."""
     if protocol.invalid_message in response:
         return False
-    # The environment appends "\n<open>passages<close>\n" right after the search's closing tag
-    # (the first stop string in both protocols); cut those blocks, keep the tag.
+    # The environment appends "\n<open>passages<close>\n" right after the turn that closed a search
+    # (the first stop string in both protocols); cut those blocks, keep the tag. A real tokenizer's
+    # last sampled token may run past the tag ("|>\n"), so whitespace may sit between the two.
     close = re.escape(protocol.stop[0])
-    inserted = re.compile(f"{close}\n{re.escape(protocol.info_open)}.*?{re.escape(protocol.info_close)}\n", re.S)
-    own = inserted.sub(protocol.stop[0], response)
+    inserted = re.compile(f"({close}\\s*?)\n{re.escape(protocol.info_open)}.*?{re.escape(protocol.info_close)}\n", re.S)
+    own = inserted.sub(lambda m: m.group(1), response)
     if protocol.info_open in own or protocol.info_close in own:
         return False
     return protocol.format_ok(own)
@@ -439,8 +440,11 @@ def main(argv=None) -> None:
     from .config import ConfigError, check_config, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
         sys.exit(USAGE)
+    if argv[0] in ("-h", "--help"):  # asked for: stdout and success, so `| less` and scripts see it
+        print(USAGE)
+        return
     if argv[0] != "stage1":  # stage 2 is train.py with an r1pp preset
         sys.exit(f"error: unknown command {argv[0]!r}; this module runs stage 1, stage 2 is "
                  f"`python train.py --preset toy-r1pp`\n\n{USAGE}")

@@ -57,6 +57,10 @@ def test_well_formed():
     assert not r1pp.well_formed("<|begin_search_result|> made up <|end_search_result|> \\boxed{paris}", PP)
     # an invalid action: the rollout injected its correction message
     assert not r1pp.well_formed("oops" + PP.invalid_message + internal("paris"), PP)
+    # a real tokenizer's last token may run past the stop string ("|>\n"): the block is still the environment's
+    tail = searched("paris").replace(f"<|end_external_search|>{RESULT}", f"<|end_external_search|>\n{RESULT}")
+    assert tail != searched("paris") and r1pp.well_formed(tail, PP)
+    assert not r1pp.well_formed(tail.replace("<|end_external_search|>\n", "<|end_external_search|> oops\n"), PP)
 
 
 def test_reward_terms_hand_computed_groups():
@@ -412,6 +416,8 @@ def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
         r1pp.main(["stage1", "--help"])
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
     assert listed == {f"--{name}" for name in r1pp.STAGE1_FIELDS} and "--lr" not in listed
+    r1pp.main(["--help"])  # the module's own help: on stdout, and no error exit
+    assert capsys.readouterr().out.startswith("usage: python -m searchlite.r1pp stage1")
 
 
 def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
