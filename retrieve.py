@@ -16,12 +16,11 @@ line), or just a corpus (indexed in memory at start; the toy world's by default)
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from searchlite.config import HelpFormatter, resolve_path
+from searchlite.config import ArgumentParser, HelpFormatter, resolve_path
 from searchlite.data import DataError
 
 
@@ -72,7 +71,7 @@ def build(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     helps = {"build": "index a corpus file into a folder (BM25 or dense)",

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import re
 import sys
 import tomllib
@@ -182,8 +183,10 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
     """The key/value table of preset `name` in a TOML file, checked against Config's fields."""
     presets = read_presets(path)
     if name not in presets:
+        base, _, algo = name.rpartition("-")
         close = difflib.get_close_matches(name, list(presets), n=1, cutoff=0.0)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = (f"; did you mean --preset {base} --algo {algo}?" if base in presets and algo in CHOICES["algo"]
+                else f"; did you mean '{close[0]}'?" if close else "")
         raise ConfigError(f"{path}: no preset [{name}]{hint} (have: {', '.join(presets)})")
     table = presets[name]
     valid = {f.name for f in fields(Config)}
@@ -256,7 +259,14 @@ CHOICES = {  # fields that take one of a few values (parallel, dtype and retriev
 AT_LEAST = {"steps": 0, "group": 1, "batch_size": 1, "micro_batch_size": 1, "mini_batch_size": 0, "ppo_epochs": 1,
             "topk": 1, "max_turns": 0, "max_new_tokens": 1, "max_len": 1, "gen_batch_size": 0, "sft_epochs": 1,
             "sft_batch_size": 1, "sft_questions": 0, "sft_rewrites": 0, "eval_every": 0, "eval_size": 0,
-            "save_every": 0, "log_trajectories_every": 0, "warmup_steps": 0, "critic_warmup_steps": 0}
+            "save_every": 0, "log_trajectories_every": 0, "warmup_steps": 0, "critic_warmup_steps": 0,
+            "max_obs_tokens": 1}
+IN_RANGE = {  # float fields: (low, high, low included); a value outside fails before any model loads
+    "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, False), "lr": (0.0, math.inf, False),
+    "critic_lr": (0.0, math.inf, False), "sft_lr": (0.0, math.inf, False), "clip_eps": (0.0, math.inf, False),
+    "grad_clip": (0.0, math.inf, False), "value_clip_eps": (0.0, math.inf, False), "lora_alpha": (0.0, math.inf, False),
+    "gamma": (0.0, 1.0, True), "lam": (0.0, 1.0, True), "kl_coef": (0.0, math.inf, True),
+    "weight_decay": (0.0, math.inf, True), "eta": (0.0, math.inf, True), "mem_coef": (0.0, math.inf, True)}
 
 
 def is_hub_name(spec: str) -> bool:
@@ -271,7 +281,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     `reads`, when given (as to parse_args), limits the checks to the fields the program uses."""
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
-    from .protocol import rewrite_path, template_path
+    from .protocol import missing_template, rewrite_path, template_path
     from .retrieval import KINDS
 
     def used(name: str) -> bool:
@@ -285,6 +295,11 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name, low in AT_LEAST.items():
         if used(name) and getattr(cfg, name) < low:
             raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
+    for name, (low, high, closed) in IN_RANGE.items():
+        value = getattr(cfg, name)
+        if used(name) and not ((value >= low if closed else value > low) and value <= high):
+            span = f"{'[' if closed else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
+            raise ConfigError(f"--{name} {value}: must be in {span}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
     for name in ("model", "tokenizer"):
         spec = getattr(cfg, name)
@@ -305,8 +320,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
     prompt = template_path(cfg.protocol, cfg.template)
     if not prompt.exists():
-        raise ConfigError(f"--template {cfg.template!r}: {prompt} does not exist; give a prompt file with "
-                          f"{{question}}, or a set here: {', '.join(_template_sets(cfg.protocol))}")
+        raise ConfigError(f"--template {cfg.template!r}: {missing_template(prompt, cfg.protocol)}")
     if used("mem_coef") and cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
         raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
                           f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "
@@ -318,11 +332,29 @@ def _closest_value(value, valid) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def _template_sets(name: str) -> list[str]:
-    from .protocol import TEMPLATE_DIR
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the scripts: a misspelt flag is named with the closest one, as train.py's are."""
 
-    return sorted(p.name.removesuffix(f"_{name}.txt") for p in TEMPLATE_DIR.glob(f"*_{name}.txt")) + [
-        "'' (the paper's)"] * (TEMPLATE_DIR / f"{name}.txt").exists()
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            parsers = [self] + [p for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                                for p in a.choices.values()]
+            flags = sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+            words = message.removeprefix("unrecognized arguments: ").split()
+            message = "unrecognized arguments: " + " ".join(
+                w + _closest_value(w.split("=")[0], flags) if w.startswith("--") else w for w in words)
+        super().error(message)
+
+
+def at_least(low: int):
+    """An argparse `type` for an int flag: refuses values under `low` with the flag's name."""
+    def int_(value: str) -> int:
+        n = int(value)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+    int_.__name__ = "int"  # argparse: "invalid int value: 'x'"
+    return int_
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

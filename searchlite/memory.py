@@ -29,7 +29,6 @@ on the PPO critic (the critic trains in full).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib.util
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, HelpFormatter, resolve_path
+from .config import ArgumentParser, ConfigError, HelpFormatter, resolve_path
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 
@@ -209,7 +208,7 @@ def on_device(model, device, enabled: bool = True):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m searchlite.memory", description="Merge a LoRA checkpoint into its "
+    ap = ArgumentParser(prog="python -m searchlite.memory", description="Merge a LoRA checkpoint into its "
                                  "base model and save a plain Hugging Face folder (weights + tokenizer).",
                                  formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -9,11 +9,10 @@ Needs matplotlib (`pip install matplotlib`, or the `plot` extra).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from .config import HelpFormatter
+from .config import ArgumentParser, HelpFormatter
 from .data import DataError, read_log
 
 PANELS = [("reward", "train reward (EM)"), ("eval/all", "held-out test EM"), ("searches", "valid searches / rollout"),
@@ -63,7 +62,7 @@ def plot(runs: list[str], out: str) -> Path:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files")
     ap.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")

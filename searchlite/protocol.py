@@ -135,7 +135,9 @@ def _last_boxed(text: str) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _read_template(path: str | Path) -> str:
+def _read_template(path: str | Path, name: str) -> str:
+    if not Path(path).exists():
+        raise FileNotFoundError(missing_template(path, name))
     text = Path(path).read_text()
     if "{question}" not in text:
         raise ValueError(f"{path}: a prompt template needs a {{question}} placeholder")
@@ -152,6 +154,16 @@ def template_path(name: str, template: str = "") -> Path:
     return Path(template)
 
 
+def template_sets(name: str) -> list[str]:
+    """The template set names for protocol `name` (files W_<name>.txt), and '' for its own."""
+    return sorted(p.name.removesuffix(f"_{name}.txt") for p in TEMPLATE_DIR.glob(f"*_{name}.txt")) + [
+        "'' (the paper's)"] * (TEMPLATE_DIR / f"{name}.txt").exists()
+
+
+def missing_template(path, name: str) -> str:
+    return f"{path} does not exist; give a prompt file with {{question}}, or a set here: {', '.join(template_sets(name))}"
+
+
 def rewrite_path(name: str, template: str = "") -> Path:
     """R1-Searcher++'s rewrite prompt for protocol `name`: templates/<set>_<name>_rewrite.txt for a
     template set (e.g. "toy"), else the paper-style templates/<name>_rewrite.txt."""
@@ -164,7 +176,7 @@ def get_protocol(name: str, template: str = "") -> Protocol:
     if name == "search_r1":
         return Protocol(
             name=name,
-            template=_read_template(template_path(name, template)),
+            template=_read_template(template_path(name, template), name),
             stop=("</search>", "</answer>"),
             info_open="<information>",
             info_close="</information>",
@@ -179,7 +191,7 @@ def get_protocol(name: str, template: str = "") -> Protocol:
     if name == "r1_searcher_pp":
         return Protocol(
             name=name,
-            template=_read_template(template_path(name, template)),
+            template=_read_template(template_path(name, template), name),
             stop=("<|end_external_search|>",),
             info_open="<|begin_search_result|>",
             info_close="<|end_search_result|>",

@@ -35,14 +35,13 @@ years, questions with several valid answers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import TOY_DIR, HelpFormatter
+from .config import TOY_DIR, ArgumentParser, HelpFormatter
 
 ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "tr", "th", "sk", "vr"]
 VOWELS = ["a", "e", "i", "o", "u"]
@@ -346,7 +345,7 @@ def summary(world: World) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m searchlite.toyworld", description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(prog="python -m searchlite.toyworld", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="generate the world and its tokenizer into a folder",

@@ -10,11 +10,10 @@ did not (retrieved passages, injected messages) get different colours. The promp
 
 from __future__ import annotations
 
-import argparse
 import html
 from pathlib import Path
 
-from .config import HelpFormatter
+from .config import ArgumentParser, HelpFormatter
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
@@ -72,7 +71,7 @@ def write_html(path, ro, tokenizer, rewards, golds, title: str = "rollouts", lim
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Roll out a model on a few questions and render them to HTML.",
+    ap = ArgumentParser(description="Roll out a model on a few questions and render them to HTML.",
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", default="toy/model", help="policy folder (toy/model = the embedded warm start)")
     ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")

@@ -23,7 +23,6 @@ Left out on purpose: any pretrained weights; the world is fictional so none woul
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TOY_DIR, ConfigError, HelpFormatter
+from .config import TOY_DIR, ArgumentParser, ConfigError, HelpFormatter
 
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -80,7 +79,7 @@ def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(prog="python -m searchlite.warmstart", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")

@@ -56,6 +56,8 @@ def test_errors_name_key_and_closest(presets):
         parse_args(["--preset", "badtype"], presets)
     with pytest.raises(ConfigError, match=r"no preset \[smal\]; did you mean 'small'"):
         parse_args(["--preset", "smal"], presets)
+    with pytest.raises(ConfigError, match=r"no preset \[small-ppo\]; did you mean --preset small --algo ppo\?"):
+        parse_args(["--preset", "small-ppo"], presets)  # a preset and an algo, not the closest name
     with pytest.raises(ConfigError, match="needs a value"):
         parse_args(["--group"], presets)
     with pytest.raises(ConfigError, match="expected --key value"):
@@ -130,6 +132,7 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     assert checked() is None
     assert checked("--algo", "ppo", "--device", "cpu", "--dtype", "bfloat16", "--retriever", "rank_bm25") is None
     assert checked("--protocol", "r1_searcher_pp", "--reward", "r1pp", "--mem_coef", "0.1") is None
+    assert checked("--top_p", "1", "--gamma", "0", "--lam", "1", "--kl_coef", "0", "--eta", "0") is None  # the ends
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -142,6 +145,13 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--group", "0"), "--group 0: must be at least 1"),
     (("--batch_size", "0"), "--batch_size 0: must be at least 1"),
     (("--steps", "-1"), "--steps -1: must be at least 0"),
+    (("--max_obs_tokens", "-5"), "--max_obs_tokens -5: must be at least 1"),
+    (("--temperature", "0"), "--temperature 0.0: must be in (0, inf)"),  # HF would fail only after the model loads
+    (("--top_p", "1.5"), "--top_p 1.5: must be in (0, 1]"),
+    (("--lr", "-1e-6"), "--lr -1e-06: must be in (0, inf)"),
+    (("--gamma", "1.01"), "--gamma 1.01: must be in [0, 1]"),
+    (("--kl_coef", "-0.001"), "--kl_coef -0.001: must be in [0, inf)"),
+    (("--eta", "nan"), "--eta nan: must be in [0, inf)"),
     (("--train_data", "nowhere/train.jsonl"), "--train_data nowhere/train.jsonl: no such file"),
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),
@@ -198,3 +208,14 @@ def test_a_broken_presets_file_is_named(tmp_path):
     bad.write_text('top = 1\n[toy]\nsteps = 60\n')
     with pytest.raises(ConfigError, match=r"configs.toml: 'top = 1' is outside any \[preset\] table"):
         parse_args(["--preset", "toy"], presets=bad)
+
+
+def test_script_parsers_name_the_closest_flag_of_any_subcommand(capsys):
+    from searchlite.config import ArgumentParser
+
+    ap = ArgumentParser(prog="retrieve.py")
+    build = ap.add_subparsers(dest="cmd").add_parser("build")
+    build.add_argument("--corpus")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["build", "--corpuss", "x.jsonl"])
+    assert "unrecognized arguments: --corpuss (did you mean '--corpus'?) x.jsonl" in capsys.readouterr().err

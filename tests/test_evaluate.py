@@ -409,6 +409,27 @@ def test_error_unknown_method(world, tmp_path):
         evaluate.main(cli(world, tmp_path / "o", "--methods", "rag,ircot"))
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--limit", "-3"), "argument --limit: must be at least 0, got -3"),  # was: all but the last 3 questions
+    (("--batch_size", "0"), "argument --batch_size: must be at least 1, got 0"),
+    (("--max_turns", "-1"), "argument --max_turns: must be at least 0, got -1"),
+    (("--topk", "x"), "argument --topk: invalid int value: 'x'"),
+    (("--temperature", "-1"), "argument --temperature: must be at least 0 (0 = greedy), got -1.0"),
+    (("--metods", "search"), "unrecognized arguments: --metods (did you mean '--methods'?) search"),
+])
+def test_a_bad_flag_is_named_before_anything_loads(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.parse_args(list(flags))
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_error_no_data_and_mistyped_template(world, tmp_path):
+    with pytest.raises(SystemExit, match="--data '' names no QA set"):
+        evaluate.main(cli(world, tmp_path / "o", "--data", ""))
+    with pytest.raises(SystemExit, match=r"nosuch_search_r1.txt does not exist; give a prompt file.*a set here: fewshot"):
+        evaluate.main(cli(world, tmp_path / "o", "--template", "nosuch"))
+
+
 # ---------------------------------------------------------------------------- LLM judge
 
 

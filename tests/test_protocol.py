@@ -93,3 +93,6 @@ def test_template_sets():
     assert get_protocol("search_r1", "toy").template.startswith("Search with <search> query </search>")
     assert "<|begin_external_search|>" in get_protocol("r1_searcher_pp", "toy").template
     assert get_protocol("search_r1", "").template == SR1.template
+    with pytest.raises(FileNotFoundError, match=r"nosuch_search_r1.txt does not exist; give a prompt file with "
+                                                r"\{question\}, or a set here: fewshot, toy, '' \(the paper's\)"):
+        get_protocol("search_r1", "nosuch")  # what evaluate.py prints for a mistyped --template
