@@ -339,7 +339,7 @@ def main(argv=None) -> None:
         if cfg.algo == "ppo":
             old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
             rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
-            adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)  # (N, T)
+            adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam, whiten=dist.masked_whiten)  # (N, T)
         elif cfg.algo == "grpo":  # torchrun: all ranks' scores, as group = 1's baseline is the whole batch's mean
             adv = broadcast(dist.local_rows(group_advantages(dist.gather_rows(scores), cfg.group)), mask)  # (N, T)
         elif cfg.algo == "reinforce_pp":

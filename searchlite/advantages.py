@@ -5,7 +5,7 @@ the rewards, with `scores` the (B,) per-trajectory reward and `loss_mask` the (B
 (1 = token sampled by the policy):
 
     PPO          adv, ret = gae(ppo_token_rewards(scores, kl, loss_mask, kl_coef),
-                                values, loss_mask, gamma, lam)
+                                values, loss_mask, gamma, lam, whiten=masked_whiten)
     GRPO         adv = broadcast(group_advantages(scores, group), loss_mask)
     REINFORCE++  adv = reinforce_pp_advantages(scores, kl, loss_mask, kl_coef, gamma)
 
@@ -14,8 +14,7 @@ token is not a step, so inserting any number of them changes no advantage (DESIG
 "Algorithms"). Every returned (B, T) tensor is 0 where `loss_mask == 0`.
 
 Left out on purpose: verl's UUID-keyed grouping (a question's `group` rollouts are adjacent,
-so `scores.view(-1, group)`), RLOO / ReMax / Dr.GRPO variants, adaptive KL control, and
-whitening of GAE advantages (call `losses.masked_whiten(adv, loss_mask)` if wanted).
+so `scores.view(-1, group)`), RLOO / ReMax / Dr.GRPO variants, and adaptive KL control.
 
 >>> mask = torch.tensor([[1, 1, 0, 1, 0]])          # 3 policy tokens, one retrieved, one pad
 >>> place_on_last_token(torch.tensor([2.0]), mask)
@@ -28,14 +27,17 @@ from searchlite.losses import masked_whiten
 
 
 @torch.no_grad()
-def gae(rewards, values, loss_mask, gamma: float, lam: float):
+def gae(rewards, values, loss_mask, gamma: float, lam: float, whiten=None):
     """Generalised advantage estimation over policy tokens (Schulman et al. 2016, eq. 16).
 
     delta_t = r_t + gamma * V(next policy token) - V_t,  A_t = delta_t + gamma * lam * A_next,
     where "next" is the next position with loss_mask == 1 in the same row (V = 0, A = 0
     after the last one). Rewards and values at masked positions are ignored entirely.
     Returns (adv, ret), both (B, T), with ret = adv + values (the lambda-return, the
-    critic's target); both are 0 where loss_mask == 0.
+    critic's target); both are 0 where loss_mask == 0. With `whiten` (`losses.masked_whiten`;
+    under torchrun `distributed.masked_whiten`) the advantages, not the returns, are then
+    whitened over every policy token of the batch, as verl's `compute_gae_advantage_return`
+    does in Search-R1's PPO: the policy's step size no longer depends on the reward's scale.
 
     >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.5, 0.5]])
     >>> gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)[0]   # = total reward - V_t
@@ -55,7 +57,7 @@ def gae(rewards, values, loss_mask, gamma: float, lam: float):
         next_adv = torch.where(m, a, next_adv)
         next_value = torch.where(m, values[:, t], next_value)
     ret = torch.where(mask, adv + values, torch.zeros_like(adv))  # (B, T)
-    return adv, ret
+    return (whiten(adv, loss_mask) if whiten is not None else adv), ret
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from searchlite.advantages import (
     ppo_token_rewards,
     reinforce_pp_advantages,
 )
+from searchlite.losses import masked_whiten
 
 ATOL = 1e-6
 f64 = torch.float64
@@ -94,6 +95,22 @@ def test_gae_matches_naive_loop(gamma, lam, seed):
     torch.testing.assert_close(adv, ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(ret, (ref + v) * m, atol=ATOL, rtol=0)
     assert torch.all(adv[m == 0] == 0) and torch.all(ret[m == 0] == 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gae_whitens_the_advantages_not_the_returns(seed):
+    """verl's compute_gae_advantage_return (Search-R1's PPO): whitened advantages over every
+    policy token of the batch, the critic's target left as it was."""
+    gen = torch.Generator().manual_seed(seed)
+    r, v, m = random_batch(gen, B=4, T=15)
+    adv, ret = gae(r, v, m, 0.9, 0.8, whiten=masked_whiten)
+    ref = naive_gae(r, v, m, 0.9, 0.8)
+    on = m.bool()
+    mean, std = ref[on].mean(), ref[on].std(unbiased=False)  # population std over the batch's policy tokens
+    torch.testing.assert_close(adv[on], (ref[on] - mean) / std, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret, (ref + v) * m, atol=ATOL, rtol=0)
+    assert torch.all(adv[~on] == 0)
+    assert abs(float(adv[on].mean())) < 1e-9 and abs(float(adv[on].std(unbiased=False)) - 1) < 1e-6
 
 
 @given(

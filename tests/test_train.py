@@ -53,6 +53,25 @@ def test_two_steps_change_parameters(tiny_model, tmp_path, algo, varied_reward):
         assert row["eval/all"]["em"] == pytest.approx(sum(r["em"] for r in records) / 4)
 
 
+def test_ppo_trains_on_whitened_advantages_and_raw_returns(tiny_model, tmp_path, varied_reward, monkeypatch):
+    """As verl does for Search-R1's PPO: mean 0 and std 1 over the batch's policy tokens; the
+    critic's target is the unwhitened lambda-return."""
+    seen, real = [], train.update
+
+    def spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret, mem):
+        seen.append((adv.clone(), ro.loss_mask.bool(), old_values.clone(), ret.clone()))
+        return real(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret, mem)
+
+    monkeypatch.setattr(train, "update", spy)
+    train.main(args(tiny_model, tmp_path / "ppo", "ppo"))
+    assert len(seen) == 2
+    for adv, on, values, ret in seen:
+        assert abs(float(adv[on].mean())) < 1e-5 and float(adv[on].std(unbiased=False)) == pytest.approx(1, abs=1e-4)
+        raw = ret - values  # the GAE advantages themselves, before whitening
+        assert not torch.allclose(raw[on], adv[on], atol=1e-3)
+        assert float(raw[on].std()) > 0 and torch.all(adv[~on] == 0)
+
+
 def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     """A run stopped after step 2 and resumed to step 4 logs what an uninterrupted run logs."""
     full, part = tmp_path / "full", tmp_path / "part"
