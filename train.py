@@ -37,8 +37,8 @@ from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
-                               load_trainer_state, make_optimizer, pick_device, rng_state, save_checkpoint,
-                               set_rng_state)
+                               load_trainer_state, make_optimizer, pick_device, reuse_freed_memory, rng_state,
+                               save_checkpoint, set_rng_state)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -180,6 +180,7 @@ def main(argv=None) -> None:
         sys.exit(f"error: {e}")
     out = Path(cfg.out_dir)
     device = dist.init(pick_device(cfg.device))  # torchrun: join the process group; on GPU, cuda:LOCAL_RANK
+    reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     try:
         dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank)
     except ValueError as e:

@@ -20,6 +20,7 @@ Under torchrun with FSDP2, rank 0 writes the same folders from gathered full wei
 from __future__ import annotations
 
 import copy
+import ctypes
 import random
 import re
 import shutil
@@ -46,6 +47,27 @@ def pick_device(name: str) -> torch.device:
         raise ConfigError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu "
                           "(or auto, which picks the GPU when there is one)")
     return torch.device(name)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def reuse_freed_memory(device: torch.device, size: int = 1 << 30) -> bool:
+    """On a CPU run under glibc, keep freed blocks of up to `size` bytes for the next allocation.
+
+    glibc maps every block over 32 MB afresh (a toy step's logits are 64 MB) and unmaps it when it
+    is freed, so each forward and backward pass faults those pages in and zeroes them again: perf
+    put about half of a toy PPO step in the kernel doing that. Raising the mmap and trim thresholds
+    keeps such blocks in the heap. GPU runs are left alone: the host memory they use (weights read
+    before they go to the device) should go back to the system. Returns whether it was applied.
+    """
+    if device.type != "cpu":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): its allocator is left as it is
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, size)) and bool(libc.mallopt(M_TRIM_THRESHOLD, size))
 
 
 def load_tokenizer(path: str):

@@ -345,7 +345,7 @@ def stage1(cfg) -> Path:
     """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model."""
     from .config import format_config, resolve_path, save_config
     from .data import read_qa
-    from .models import GracefulStop, load_policy, load_tokenizer, pick_device
+    from .models import GracefulStop, load_policy, load_tokenizer, pick_device, reuse_freed_memory
     from .protocol import get_protocol
     from .retrieval import config_retriever
     from .sampler import HFSampler
@@ -372,6 +372,7 @@ def stage1(cfg) -> Path:
     qa = qa[:cfg.sft_questions or len(qa)]
     retriever = config_retriever(cfg)
     device = pick_device(cfg.device)
+    reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
     protocol = get_protocol(cfg.protocol, cfg.template)

@@ -263,3 +263,37 @@ def test_bf16_with_grad_checkpointing_runs_ppo_end_to_end(tiny_model, tmp_path, 
 def test_bad_lever_settings_are_config_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
         check_levers(Config(**settings))
+
+
+REFAULT_PROBE = """
+import resource, sys, torch
+from searchlite.models import reuse_freed_memory
+if sys.argv[1] == "on":
+    assert reuse_freed_memory(torch.device("cpu"))
+faults = []
+for _ in range(10):  # two 64 MB blocks (a toy micro-batch's logits), freed, and allocated again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(16 * 2**20)
+    y = x * 2
+    del x, y
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[5:]))  # the last five rounds: the heap has grown to its working size
+"""
+
+
+def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
+    import subprocess
+    import sys
+
+    from searchlite.models import reuse_freed_memory
+
+    def faults(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", REFAULT_PROBE, mode], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.split()[-1])
+
+    plain = faults("off")
+    if plain < 1000:
+        pytest.skip(f"this allocator already keeps freed 64 MB blocks ({plain} page faults to reuse one)")
+    assert faults("on") < plain / 4  # measured here: 163,850 faults without; 0, at most 16,384 with
+    assert reuse_freed_memory(torch.device("cuda")) is False  # GPU runs: host memory is left to glibc's defaults
