@@ -49,10 +49,12 @@ class _StopRecorder:
 
 
 def _plain_generation_config(config):
-    """A GenerationConfig with only `config`'s special token ids: no penalty, filter or length rule."""
+    """A GenerationConfig with only `config`'s special token ids and the ids it never samples
+    (`suppress_tokens`: a vocabulary padded past its tokenizer): no penalty, filter or length rule."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(**{k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "suppress_tokens")
+    return GenerationConfig(**{k: getattr(config, k, None) for k in keep})
 
 
 class HFSampler:
