@@ -43,6 +43,9 @@ def make(args):
     if args.index and not corpus:
         raise ValueError(f"--index {args.index} is a FAISS file: give --corpus, the corpus it was built over")
     kind = kind or ("dense" if args.index else "bm25")  # a FAISS file means dense
+    if kind == "dense" and not args.encoder:
+        raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
+                         "retrieve.py build wrote)")
     return build_retriever(kind, corpus or resolve_path("toy/corpus.jsonl"), encoder=args.encoder,
                            pooling=args.pooling, index=args.index, **(dense_kw if kind == "dense" else {}))
 

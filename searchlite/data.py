@@ -79,7 +79,9 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{line_no}: bad JSON: {e.msg} (column {e.colno})") from None
+        why = ("the line ends before its JSON does (cut off?)" if e.pos >= len(line.rstrip())
+               else f"{e.msg} (column {e.colno})")
+        raise DataError(f"{path}:{line_no}: bad JSON: {why}") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -64,7 +64,8 @@ GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]})
 
 
 @pytest.mark.parametrize("reader,good,bad,words", [
-    (read_corpus, GOOD_C, '{"id": "2", "contents": ', "bad JSON"),
+    (read_corpus, GOOD_C, '{"id": "2", "contents": ', "bad JSON: the line ends before its JSON does (cut off?)"),
+    (read_corpus, GOOD_C, '{"id": "2" "contents": "x"}', "bad JSON: Expecting ',' delimiter (column 12)"),
     (read_corpus, GOOD_C, '["not", "an", "object"]', "JSON object"),
     (read_corpus, GOOD_C, '{"id": "2"}', "contents"),
     (read_corpus, GOOD_C, '{"id": "2", "contents": 5}', "'contents' must be a string"),

@@ -203,6 +203,8 @@ def test_cli_build_and_query(tmp_path, capsys, toy_passages):
     assert "wrote" in out and "1. [" in out and f"{p.title} (id {p.id})" in out
     with pytest.raises(SystemExit, match="needs --encoder"):
         retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--kind", "dense", "--out", str(tmp_path / "d")])
+    with pytest.raises(SystemExit, match="error: --kind dense needs --encoder .* or --index"):
+        retrieve.main(["query", "--kind", "dense", "who?"])  # the flags, not build_retriever's arguments
     retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--out", str(tmp_path / "auto")])  # auto: bm25
     assert (tmp_path / "auto" / "bm25.json").is_file()
     missing = ["--corpus", "nowhere.jsonl"]
