@@ -32,8 +32,8 @@ The paper released no code, so these choices are ours (and read off its text):
   cutting out the result blocks the environment inserted, with no result tags the model wrote
   itself and no invalid action (the injected correction message);
 - one rewrite per correct rollout that searched, its passages each once; a rewrite is kept
-  when well formed, correct, without search tags or result tags, and without a word that gives
-  away that documents were shown (`GIVEAWAY`);
+  when well formed, correct, without search tags or result tags, and without a word (outside the
+  answer's own words) that gives away that documents were shown (`GIVEAWAY`);
 - with several mini-batches a step, each mini-batch's optimizer step takes its share of the
   memorization trajectories, so mu * L_M weighs the same as with one.
 Left out on purpose: the paper's LLM-judged evaluation (see judge.py) and any rewrite model
@@ -124,7 +124,7 @@ def rewrite_template(protocol, template: str = "") -> str:
 def rewrite_prompt(tokenizer, protocol, template: str, question: str, docs, chat_template: bool = True) -> list[int]:
     """Prompt ids asking to answer `question` from memory, with the passages `docs` (each once, in
     first-seen order) in context."""
-    docs = list({h.id: h for h in docs}.values())
+    docs = list({h.id or (h.title, h.text): h for h in docs}.values())  # a server may send no ids at all
     text = fill(template, question=question.strip(), documents=protocol.format_passages(docs).rstrip("\n"))
     return encode_text(tokenizer, text, chat_template)
 
@@ -136,7 +136,8 @@ def keep_rewrite(text: str, golds, protocol) -> bool:
         return False
     if protocol.stop[0] in text or protocol.info_open in text or protocol.info_close in text:
         return False
-    if GIVEAWAY.search(text):
+    own = re.sub("|".join(re.escape(g) for g in golds), " ", text, flags=re.I) if golds else text
+    if GIVEAWAY.search(own):  # the answer's own words do not count ("Notes from Underground")
         return False
     action = protocol.parse(text)
     return action.kind == "answer" and is_correct(text, action.content, golds, protocol)
@@ -214,8 +215,8 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
 SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data", "seed", "sft_questions", "group",
                    "batch_size", "cold_start_sampler", "protocol", "template", "temperature", "top_p", "max_turns",
                    "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
-                   "index", "retriever_url", "topk")
-STAGE1_FIELDS = ("out_dir", "resume", "device", "gen_batch_size", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
+                   "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
+STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "weight_decay", "grad_clip", "grad_checkpointing")  # what stage 1 reads
 
 
@@ -235,7 +236,9 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
         sys.exit(f"error: {path}:1: not a rejection-sampling log (no fields line); "
                  "rerun without --resume to sample afresh")
     for k, v in fields.items():
-        if head.get(k) != v:
+        if k not in head:  # a log from a version that did not record k
+            sys.exit(f"error: {path}:1: the log does not record {k}; rerun without --resume to sample afresh")
+        if head[k] != v:
             sys.exit(f"error: {path}:1: sampled with {k} = {head.get(k)!r}, this run has {k} = {v!r}; "
                      f"rerun with --{k} {head.get(k)}, or without --resume to sample afresh")
     return path

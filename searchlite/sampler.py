@@ -57,6 +57,15 @@ def _plain_generation_config(config):
     return GenerationConfig(**{k: getattr(config, k, None) for k in keep})
 
 
+def _transformers_model(model):
+    """The transformers model under the wrappers that generate() passes through (a LoRA run's
+    reference, `memory.LoRAReference`; peft's PeftModel, which copies its base's generation config
+    in generate): its generation_config is the one generate() reads."""
+    if "policy" in vars(model):  # LoRAReference
+        model = model.policy
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 class HFSampler:
     """Batched sampling with transformers `generate` on the policy module itself."""
 
@@ -112,12 +121,13 @@ class HFSampler:
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         recorder = _StopRecorder(self.tokenizer, stop, self.eos_ids, len(prompts), width)
-        was_training, saved = self.model.training, self.model.generation_config
+        hf = _transformers_model(self.model)
+        was_training, saved = self.model.training, hf.generation_config
         self.model.eval()
         # generate() fills every setting not passed here from the checkpoint's generation config:
         # Qwen2.5-Instruct's repetition_penalty 1.05 (or a no_repeat_ngram_size, bad_words_ids, ...)
         # would sample from another distribution than the policy whose log-probs are trained on.
-        self.model.generation_config = _plain_generation_config(saved)
+        hf.generation_config = _plain_generation_config(saved)
         try:
             seqs = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
@@ -127,6 +137,6 @@ class HFSampler:
             )  # (B, P + new)
         finally:
             self.model.train(was_training)
-            self.model.generation_config = saved
+            hf.generation_config = saved
         new = seqs[:, width:].cpu()  # (B, new)
         return [new[i, : (recorder.done_at[i] or new.shape[1])].tolist() for i in range(len(prompts))]

@@ -163,6 +163,9 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     assert tok.decode(prompt).count("Paris is the capital of France.") == 1  # its passage, in the prompt only
     assert tok.decode(ids[lm.bool()]) == internal("paris")  # every response token trained
     assert r1pp.keep_rewrite(internal("paris"), ["Paris"], PP)  # what stage 2 keeps from the rewrite model
+    title = "Notes from Underground"  # a giveaway word inside the answer itself is no giveaway
+    assert r1pp.keep_rewrite(internal(title), [title], PP)
+    assert not r1pp.keep_rewrite("My notes say so. " + internal(title), [title], PP)
     assert r1pp.rewrite_demos(kept.select([0]), asked[:1], tok, PP, template, internal, n=5) is None  # no search
 
     both = r1pp.join(kept, demos, tok)  # the SFT data: the kept rows, then the demonstrations, unchanged
@@ -173,6 +176,16 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
         assert torch.equal(both.input_ids[row, :n_tok], src.input_ids[i, :n_tok])
         assert torch.equal(both.loss_mask[row, :n_tok], src.loss_mask[i, :n_tok])
     assert r1pp.join(kept, None, tok) is kept
+
+
+def test_rewrite_prompt_keeps_each_passage_once_even_without_ids(byte_tokenizer):
+    """A retrieval server may send passages without ids (retrieval._parse_item gives them ""):
+    the bridge passage of a 2-hop question must not be lost to the second one."""
+
+    a, b = Hit(id="", title="Tozem", text="Born in Sakri.", score=1.0), Hit(id="", title="Sakri", text="A city.", score=1.0)
+    text = byte_tokenizer.decode(r1pp.rewrite_prompt(byte_tokenizer, PP, "{documents}\n{question}", "q?", [a, b, a],
+                                                     chat_template=False))
+    assert text.count("Born in Sakri.") == 1 and text.count("A city.") == 1
 
 
 def _toy_sampling(n_questions: int = 12):
@@ -246,6 +259,9 @@ def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
     with pytest.raises(SystemExit, match=r"log.jsonl:1: sampled with group = 2, this run has group = 3; "
                                          r"rerun with --group 2, or without --resume"):
         r1pp.open_sampling_log(log, fields | {"group": 3}, resume=True)
+    with pytest.raises(SystemExit, match=r"the log does not record gen_batch_size; rerun without --resume"):
+        r1pp.open_sampling_log(log, fields | {"gen_batch_size": 8}, resume=True)  # a chunk size changes the samples
+    assert "gen_batch_size" in r1pp.SAMPLING_FIELDS
     with open(log, "a") as f:
         f.write("not json\n{}\n")
     with pytest.raises(DataError, match="log.jsonl:2: bad JSON"):  # only the last line may be cut short

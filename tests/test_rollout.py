@@ -161,3 +161,9 @@ def test_hf_sampler_ignores_the_checkpoint_sampling_settings(byte_tokenizer):
     assert HFSampler(model, tok, max_new_tokens=16).generate(prompts, greedy=True) == plain_greedy
     assert HFSampler(model, tok, max_new_tokens=16, seed=3).generate(prompts) == plain_sampled
     assert model.generation_config.to_dict() == saved  # the checkpoint's own settings are kept for saving
+    from searchlite.memory import LoRAReference, add_lora
+
+    lora = add_lora(model, 4, 8.0, "all-linear")  # new adapters start at zero: the same function
+    for wrapped in (lora, LoRAReference(lora)):  # a LoRA policy, and a LoRA run's reference (the rewriter)
+        assert HFSampler(wrapped, tok, max_new_tokens=16).generate(prompts, greedy=True) == plain_greedy
+    assert model.generation_config.to_dict() == saved
