@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     device = dist.init(pick_device(cfg.device))  # torchrun: join the process group; on GPU, cuda:LOCAL_RANK
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     try:
-        dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank)
+        dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank, cfg.optimizer)
     except ValueError as e:
         sys.exit(f"error: {e}")
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
@@ -228,6 +228,10 @@ def main(argv=None) -> None:
     # torchrun (searchlite/distributed.py): FSDP2 shards policy, critic and reference in place; DDP wraps
     # the trained models. update() trains through train_policy / train_critic; the rest uses the modules.
     parallel = dist.choose_parallel(policy, cfg.parallel)
+    try:  # again, now that "auto" is resolved
+        dist.check_settings(cfg.batch_size, cfg.mini_batch_size, parallel, cfg.lora_rank, cfg.optimizer)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     train_policy, train_critic = dist.wrap_model(policy, parallel, device), dist.wrap_model(critic, parallel, device)
     if ref is not None and not (cfg.lora_rank or cfg.ref_offload):  # a LoRA reference is the policy itself
         dist.wrap_model(ref, parallel, device)

@@ -103,16 +103,22 @@ def barrier() -> None:
         dist.barrier()
 
 
-def check_settings(batch_size: int, mini_batch_size: int, parallel: str, lora_rank: int = 0) -> None:
+def check_settings(batch_size: int, mini_batch_size: int, parallel: str, lora_rank: int = 0,
+                   optimizer: str = "adamw") -> None:
     """Raise ValueError for settings a run over `world()` processes cannot use. Every rank must
     hold as many trajectories as the others: DDP and FSDP2 sync gradients in every backward,
-    so all ranks run the same number of micro-batches."""
+    so all ranks run the same number of micro-batches. train.py calls it again once "auto" is
+    resolved (choose_parallel)."""
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"unknown parallel mode {parallel!r} (valid: {', '.join(PARALLEL_MODES)})")
     w = world()
     if w > 1 and lora_rank and parallel == "fsdp":
         raise ValueError("parallel = 'fsdp' with LoRA is not supported: a LoRA run trains few weights and "
                          "replicates its frozen base, use parallel = 'ddp' (or 'auto')")
+    if w > 1 and optimizer == "adamw8bit" and parallel == "fsdp":  # bitsandbytes' kernel takes no DTensor
+        raise ValueError("--optimizer adamw8bit does not run on FSDP2's sharded (DTensor) weights; use "
+                         "--parallel ddp if a replica fits, or --optimizer adamw (--ref_offload and "
+                         "--grad_checkpointing also save memory)")
     if batch_size % w:
         raise ValueError(f"batch_size {batch_size} does not split over {w} processes; use a multiple of {w}")
     if mini_batch_size % w:

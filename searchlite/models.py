@@ -208,8 +208,8 @@ def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Cri
     if critic is not None:
         critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
     torch.save(trainer_state, tmp / "trainer.pt")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    if final.exists():  # else `old` may be the only good checkpoint (a save that died mid-rename): keep it
+        shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)

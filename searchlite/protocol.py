@@ -161,7 +161,8 @@ def template_sets(name: str) -> list[str]:
 
 
 def missing_template(path, name: str) -> str:
-    return f"{path} does not exist; give a prompt file with {{question}}, or a set here: {', '.join(template_sets(name))}"
+    sets = ", ".join(template_sets(name))
+    return f"{path} does not exist; give a prompt file with {{question}}, or a set here: {sets}"
 
 
 def rewrite_path(name: str, template: str = "") -> Path:

@@ -101,8 +101,9 @@ class HFSampler:
         max_new = max_new_tokens or self.max_new_tokens
         step = self.batch_size or len(prompts) or 1
         device = next(self.model.parameters()).device
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):  # manual_seed reseeds the GPU's generator too: keep it
+        on_gpu = device.type == "cuda"
+        gpus = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
+        with torch.random.fork_rng(devices=gpus):  # manual_seed reseeds the GPU's generator too: keep it
             torch.manual_seed(self.seed + self.calls)
             self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
             out = []

@@ -379,3 +379,17 @@ def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
     assert 1 <= step < 500
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == step
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][-1] == step
+
+
+def test_settings_two_processes_cannot_use_are_refused_before_training(monkeypatch):
+    monkeypatch.setattr(dist, "world", lambda: 2)
+    dist.check_settings(8, 4, "ddp", optimizer="adamw8bit")  # a replica per rank: bitsandbytes' kernel works
+    dist.check_settings(8, 4, "fsdp", optimizer="adamw")
+    with pytest.raises(ValueError, match="adamw8bit does not run on FSDP2's sharded .DTensor. weights; use --parallel ddp"):
+        dist.check_settings(8, 4, "fsdp", optimizer="adamw8bit")  # it failed at the first optimizer step
+    with pytest.raises(ValueError, match="'fsdp' with LoRA is not supported"):
+        dist.check_settings(8, 4, "fsdp", lora_rank=8)
+    with pytest.raises(ValueError, match="batch_size 7 does not split over 2 processes"):
+        dist.check_settings(7, 0, "ddp")
+    monkeypatch.setattr(dist, "world", lambda: 1)
+    dist.check_settings(7, 0, "fsdp", lora_rank=8, optimizer="adamw8bit")  # one process: nothing is sharded

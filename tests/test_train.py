@@ -195,3 +195,29 @@ class _Rows:
 
     def __len__(self):
         return len(self.input_ids)
+
+
+def test_a_save_interrupted_twice_keeps_a_checkpoint_to_resume_from(tiny_llama, byte_tokenizer, tmp_path, monkeypatch):
+    """A save killed between its two renames leaves checkpoint.old; the next save, killed before its
+    own rename, must not have deleted it first."""
+    from pathlib import Path
+
+    from searchlite.models import find_checkpoint, load_trainer_state, save_checkpoint
+
+    save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 2})
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")  # the first kill, mid-rename
+    real = Path.rename
+
+    def killed(self, target):
+        if self.name == "checkpoint.tmp":
+            raise KeyboardInterrupt  # the second kill, just before the new checkpoint is in place
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
+    assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 2
+    monkeypatch.setattr(Path, "rename", real)
+    save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})  # the next save completes and tidies up
+    assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 4 and not (tmp_path / "checkpoint.old").exists()
