@@ -213,10 +213,15 @@ def check_settings(out: Path, now: dict, overwrite: bool) -> None:
         records.unlink(missing_ok=True)
     elif records.exists() and run_file.exists():
         before = json.loads(run_file.read_text())
-        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k != "data" and before.get(k) != now[k]]
+        # records are keyed by the set's name: a set of that name read from another file is another set
+        # (more sets may join a folder; --limit only changes how many questions are asked)
+        old = before.get("data", {})
+        diff += [f"--data {n}: {old[n]} -> {f}" for n, f in now.get("data", {}).items() if old.get(n, f) != f]
         if diff:
             raise EvalError(f"{out} holds records made with other settings ({'; '.join(diff)}); "
                             "pass --overwrite to start over, or choose another --out")
+        now = now | {"data": before.get("data", {}) | now.get("data", {})}
     out.mkdir(parents=True, exist_ok=True)
     run_file.write_text(json.dumps(now, indent=1) + "\n")
 
@@ -304,11 +309,11 @@ def main(argv=None) -> dict:
                 setattr(args, key, trained.get(key, fallback))
                 if key in trained:
                     print(f"--{key} {trained[key]!r}: as trained ({where})", flush=True)
-        qa = {}
+        qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
             name = name if name not in qa else f"{name}_{len(qa)}"  # two files with one name
-            qa[name] = read_qa(path)[:args.limit or None]
+            qa[name], files[name] = read_qa(path)[:args.limit or None], str(Path(path).resolve())
         if not qa:
             raise EvalError(f"--data {args.data!r} names no QA set (comma-separated files or dataset names)")
         from searchlite.protocol import get_protocol
@@ -332,7 +337,7 @@ def main(argv=None) -> dict:
         if args.threads:
             torch.set_num_threads(args.threads)
         out = Path(args.out)
-        setup = settings(args, source, protocol, prompts)
+        setup = settings(args, source, protocol, prompts) | {"data": files}
         check_settings(out, setup, args.overwrite)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here

@@ -102,9 +102,10 @@ class BM25Index:
             cand = np.unique(np.concatenate([self.indices[s:e] for s, e in spans]))  # (C,) matched passages
         else:
             cand = np.flatnonzero(scores)
-        if len(cand) > k:
-            cand = cand[np.argpartition(-scores[cand], k - 1)[:k]]
-        top = cand[np.lexsort((cand, -scores[cand]))].astype(np.int64)  # best first, ties by index
+        if len(cand) > k:  # keep every passage tied with the k-th: argpartition picks among them at random
+            kth = -np.partition(-scores[cand], k - 1)[k - 1]
+            cand = cand[scores[cand] >= kth]
+        top = cand[np.lexsort((cand, -scores[cand]))][:k].astype(np.int64)  # best first, ties by index
         return top, scores[top]
 
     def save(self, folder) -> None:

@@ -34,6 +34,7 @@ from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
 from searchlite.data import split_contents
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
+HTTP_QUERY_CHARS = 4096  # the longest query searchlite's server takes (server.make_app); Search-R1's takes any
 
 
 @dataclass
@@ -368,7 +369,8 @@ class HTTPRetriever(Retriever):
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
         out = []
         for s in range(0, len(queries), self.max_queries):
-            chunk = list(queries[s:s + self.max_queries])
+            # queries are cut to what `retrieve.py serve` accepts: a longer one would fail the whole request
+            chunk = [q[:HTTP_QUERY_CHARS] for q in queries[s:s + self.max_queries]]
             reply = self._post({"queries": chunk, "topk": k, "return_scores": True})
             result = reply.get("result") if isinstance(reply, dict) else None
             if not isinstance(result, list) or len(result) != len(chunk):

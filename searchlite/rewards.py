@@ -95,8 +95,10 @@ def f1_score(pred: str | None, golds: list[str]) -> float:
 def cover_exact_match(pred: str | None, golds: list[str], max_words: int = 10) -> float:
     """R1-Searcher++ answer reward: a normalised gold occurs in the normalised prediction.
 
-    The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"),
-    and the prediction may have at most `max_words` whitespace-separated words, counted
+    The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"; R1-Searcher's
+    code calls this `cover_exact_match_score_2`, and its `_1`, which takes the gold's words in any
+    order and place, would also cover "Eiffel Tower" with "tower of eiffel"; the paper does not say
+    which it used), and the prediction may have at most `max_words` whitespace-separated words, counted
     on the raw prediction as the model wrote it — otherwise 0.0, so the policy cannot win
     by listing candidates (R1-Searcher++ §4.2.1). Golds that normalise to "" never match.
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from searchlite.data import Passage
+from searchlite.retrieval import HTTP_QUERY_CHARS
 
 MAX_TOPK = 100
 
@@ -97,8 +98,8 @@ def _document(h) -> dict:
     return {"id": h.id, "contents": Passage(h.id, h.title, h.text).contents}
 
 
-def make_app(retriever, *, max_queries: int = 4096, max_query_chars: int = 4096, max_body_bytes: int = 64 << 20,
-             batch_wait: float = 0.005, max_batch: int = 4096) -> FastAPI:
+def make_app(retriever, *, max_queries: int = 4096, max_query_chars: int = HTTP_QUERY_CHARS,
+             max_body_bytes: int = 64 << 20, batch_wait: float = 0.005, max_batch: int = 4096) -> FastAPI:
     """The FastAPI app serving `retriever` with these request bounds and batching settings."""
 
     class RetrieveRequest(BaseModel):

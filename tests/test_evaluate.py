@@ -303,6 +303,20 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch):
     assert len((out / "records.jsonl").read_text().splitlines()) == 8
 
 
+def test_a_resume_refuses_another_file_under_a_set_name_it_holds(world, tmp_path):
+    """Records are keyed by (set name, method, id): another alpha.jsonl with the same ids must not
+    be scored with the answers given to the first one. A new set may join the folder."""
+    out, other = tmp_path / "out", tmp_path / "elsewhere" / "alpha.jsonl"
+    other.parent.mkdir()
+    other.write_text((world / "alpha.jsonl").read_text().replace('"golden_answers": ["', '"golden_answers": ["not '))
+    one = ["--methods", "direct", "--data"]
+    evaluate.main(cli(world, out, *one, str(world / "alpha.jsonl")))
+    with pytest.raises(SystemExit, match=r"other settings \(--data alpha: .*world.*alpha.jsonl -> .*elsewhere"):
+        evaluate.main(cli(world, out, *one, str(other)))
+    evaluate.main(cli(world, out, *one, f"{world / 'alpha.jsonl'},{world / 'beta.jsonl'}"))  # beta joins
+    assert json.loads((out / "run.json").read_text())["data"].keys() == {"alpha", "beta"}
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -282,6 +282,18 @@ def test_search_r1_round_trip(served, toy_passages):
     assert (code, empty) == (200, {"result": []})
 
 
+def test_our_client_never_sends_our_server_a_query_it_refuses(toy_passages):
+    """One 10,000-character query (a rambling <search>) used to get the whole request a 422."""
+    from searchlite.retrieval import HTTP_QUERY_CHARS
+    from searchlite.server import make_app
+
+    r = CountingRetriever(toy_passages)
+    long = (QUERIES[0] + " ") * (10_000 // len(QUERIES[0]))
+    with running(make_app(r)) as url:  # the server's default bounds
+        hits = HTTPRetriever(url).search([long, QUERIES[1]], 2)
+    assert hits == r.inner.search([long[:HTTP_QUERY_CHARS], QUERIES[1]], 2) and len(long) > HTTP_QUERY_CHARS
+
+
 @pytest.mark.parametrize("body, field", [
     ({"queries": ["a"], "topk": 101}, "topk: Input should be less than or equal to 100"),
     ({"queries": ["a"], "topk": 0}, "topk"),
