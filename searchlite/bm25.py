@@ -91,7 +91,9 @@ class BM25Index:
 
     def top_k(self, ids: list[int], k: int):
         """(passage indices, scores) of the `k` best passages sharing a term with the query,
-        best first, ties in corpus order."""
+        best first, ties in corpus order. Of the passages tied at the k-th score, argpartition picks
+        which get in, as bm25s does: the same for one k every time, but top_k(q, 5)[:3] may differ
+        from top_k(q, 3) (the server searches each k on its own for that reason)."""
         spans = [(int(self.indptr[t]), int(self.indptr[t + 1])) for t in ids]
         if not spans:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
@@ -102,10 +104,9 @@ class BM25Index:
             cand = np.unique(np.concatenate([self.indices[s:e] for s, e in spans]))  # (C,) matched passages
         else:
             cand = np.flatnonzero(scores)
-        if len(cand) > k:  # keep every passage tied with the k-th: argpartition picks among them at random
-            kth = -np.partition(-scores[cand], k - 1)[k - 1]
-            cand = cand[scores[cand] >= kth]
-        top = cand[np.lexsort((cand, -scores[cand]))][:k].astype(np.int64)  # best first, ties by index
+        if len(cand) > k:
+            cand = cand[np.argpartition(-scores[cand], k - 1)[:k]]
+        top = cand[np.lexsort((cand, -scores[cand]))].astype(np.int64)  # best first, ties by index
         return top, scores[top]
 
     def save(self, folder) -> None:

@@ -79,19 +79,23 @@ class Batcher:
             while size < self.max_batch and not self.queue.empty():
                 jobs.append(self.queue.get_nowait())
                 size += len(jobs[-1][0])
-            queries = [q for qs, _, _ in jobs for q in qs]
-            try:
-                hits = await loop.run_in_executor(None, self.retriever.search, queries, max(k for _, k, _ in jobs))
-            except Exception as e:  # answer every waiting request, keep serving
-                for *_, fut in jobs:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            start = 0
-            for qs, k, fut in jobs:
-                if not fut.done():  # a client that went away leaves a cancelled future
-                    fut.set_result([h[:k] for h in hits[start:start + len(qs)]])
-                start += len(qs)
+            by_k: dict[int, list] = {}  # one search per topk: the best 5 cut to 3 need not be the best 3 (ties)
+            for job in jobs:
+                by_k.setdefault(job[1], []).append(job)
+            for k, group in by_k.items():
+                queries = [q for qs, _, _ in group for q in qs]
+                try:
+                    hits = await loop.run_in_executor(None, self.retriever.search, queries, k)
+                except Exception as e:  # answer every waiting request, keep serving
+                    for *_, fut in group:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                start = 0
+                for qs, _, fut in group:
+                    if not fut.done():  # a client that went away leaves a cancelled future
+                        fut.set_result(hits[start:start + len(qs)])
+                    start += len(qs)
 
 
 def _document(h) -> dict:

@@ -350,15 +350,3 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
                                                     "not answer") + r".*HTTP 500"):
         config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "retriever_url": _url(server)}))
 
-
-def test_bm25_ties_at_the_kth_place_go_in_corpus_order():
-    """argpartition picks among passages tied with the k-th at random: the server, which searches a
-    merged batch with its largest topk and slices, could then answer one request two ways."""
-    from searchlite.bm25 import build_bm25
-
-    ps = [Passage(str(i), "t", "alpha beta" if i % 3 else "alpha beta gamma delta") for i in range(5000)]
-    index = build_bm25([(0, ps)], num_docs=len(ps), progress=False)
-    for k in (1, 3, 7):
-        top, scores = index.top_k(index.token_ids(["alpha"]), k)
-        assert top.tolist() == [i for i in range(5000) if i % 3][:k]  # the shorter passages score higher
-        assert len(set(scores.tolist())) == 1

@@ -282,6 +282,31 @@ def test_search_r1_round_trip(served, toy_passages):
     assert (code, empty) == (200, {"result": []})
 
 
+def test_merged_requests_with_different_topk_get_what_each_would_alone(toy_passages):
+    """The batcher merges concurrent requests; the best 5 cut to 3 need not be the best 3 when
+    passages tie at the 3rd score, so each topk is searched on its own."""
+    import asyncio
+
+    from searchlite.server import Batcher
+
+    r = CountingRetriever(toy_passages)
+    names = [p.title for p in toy_passages[:300]]
+    q = next(n for n in names if r.inner.search([n], 5)[0][:3] != r.inner.search([n], 3)[0])  # a tie at the cut
+
+    async def both():
+        batcher = Batcher(r, wait=0.05, max_batch=4096)
+        task = asyncio.create_task(batcher.run())
+        try:
+            return await asyncio.gather(batcher.search([q], 3), batcher.search([q, QUERIES[0]], 5))
+        finally:
+            task.cancel()
+
+    r.calls.clear()
+    three, five = asyncio.run(both())
+    assert three == r.inner.search([q], 3) and five == r.inner.search([q, QUERIES[0]], 5)
+    assert r.calls == [1, 2]  # one batch, searched once per topk
+
+
 def test_our_client_never_sends_our_server_a_query_it_refuses(toy_passages):
     """One 10,000-character query (a rambling <search>) used to get the whole request a 422."""
     from searchlite.retrieval import HTTP_QUERY_CHARS
