@@ -115,6 +115,8 @@ def extract_answer(method: str, text: str) -> str | None:
     'Paris'
     >>> extract_answer("cot", "I do not know.") is None
     True
+    >>> extract_answer("cot", "So the answer is:\\n\\n**Paris**"), extract_answer("direct", "Answer:\\nParis")
+    ('Paris', 'Paris')
     """
     tag = _ANSWER_TAG.search(text)
     if tag:
@@ -123,11 +125,11 @@ def extract_answer(method: str, text: str) -> str | None:
         last = None
         for last in _ANSWER_IS.finditer(text):
             pass
-        line = text[last.end():].split("\n", 1)[0] if last else ""
+        line = text[last.end():].strip().split("\n", 1)[0] if last else ""  # the answer may start a new line
         answer = line.strip().strip("*\"' ").rstrip(".").strip("*\"' ")
-    else:
-        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-        answer = re.sub(r"^(final )?answer\s*:\s*", "", lines[0], flags=re.I).strip() if lines else ""
+    else:  # the label may stand on a line of its own
+        lines = [line.strip() for line in re.sub(r"^\s*(final )?answer\s*:\s*", "", text, flags=re.I).splitlines()]
+        answer = next((line for line in lines if line), "")
     return answer or None
 
 

@@ -33,6 +33,7 @@ class _StopRecorder:
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         self.strings = StopStringCriteria(tokenizer, list(stop)) if stop else None
+        self.tokenizer, self.stop = tokenizer, stop
         self.eos = torch.tensor(eos_ids)
         self.prompt_len = prompt_len
         self.done_at = [None] * batch
@@ -40,7 +41,10 @@ class _StopRecorder:
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         done = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
         if self.strings is not None:
-            done |= self.strings(input_ids, scores)
+            hit = self.strings(input_ids, scores)  # (B,) it reads the prompt too: "\nQuestion:" may begin there
+            for i in torch.nonzero(hit).flatten().tolist():  # count a stop only inside the sampled text, as vLLM
+                hit[i] = any(s in self.tokenizer.decode(input_ids[i, self.prompt_len:]) for s in self.stop)
+            done |= hit
         n = input_ids.shape[1] - self.prompt_len
         for i in torch.nonzero(done).flatten().tolist():
             if self.done_at[i] is None:

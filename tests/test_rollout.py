@@ -167,3 +167,15 @@ def test_hf_sampler_ignores_the_checkpoint_sampling_settings(byte_tokenizer):
     for wrapped in (lora, LoRAReference(lora)):  # a LoRA policy, and a LoRA run's reference (the rewriter)
         assert HFSampler(wrapped, tok, max_new_tokens=16).generate(prompts, greedy=True) == plain_greedy
     assert model.generation_config.to_dict() == saved
+
+
+def test_hf_sampler_stops_only_on_a_stop_string_in_the_sampled_text(byte_tokenizer):
+    """transformers' stop-string check reads the prompt too: a first token that completes a stop
+    string begun in the prompt ("...assistant\\n" + "Question:") must not end the turn (vLLM's rule)."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=5)
+    prompt = tok.encode("a much longer prompt", add_special_tokens=False)
+    free = HFSampler(model, tok, max_new_tokens=12).generate([prompt], greedy=True)[0]
+    stop = tok.decode(prompt[-2:]) + tok.decode(free[:1])  # "pt" + "t": straddles the prompt's end
+    assert stop not in tok.decode(free)  # so a stop inside the sampled text cannot explain a cut
+    assert HFSampler(model, tok, max_new_tokens=12).generate([prompt], stop=(stop,), greedy=True)[0] == free
