@@ -21,6 +21,7 @@ import sys
 import time
 
 from searchlite.config import ArgumentParser, HelpFormatter, resolve_path
+from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
 
 
@@ -112,7 +113,8 @@ def main(argv=None) -> None:
             a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
             a("--port", type=int, default=8000, help="port to listen on")
             a("--max_queries", type=int, default=4096, help="queries per request at most")
-            a("--max_query_chars", type=int, default=4096, help="characters per query at most")
+            a("--max_query_chars", type=int, default=HTTP_QUERY_CHARS,
+              help="characters per query at most (searchlite's client cuts its queries to the default)")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
