@@ -300,132 +300,135 @@ def main(argv=None) -> None:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
-    stop = GracefulStop(announce=dist.is_main())  # Ctrl-C: finish the step, checkpoint it, stop (again: at once)
-    for step in range(start, cfg.steps):
-        t0 = time.time()
-        # -------------------------------------------------------------- rollouts
-        # torchrun: each rank rolls out its share of the questions, a question's group whole on one rank
-        questions = [q for q in dist.shard(batch_questions(train_qa, step, cfg.batch_size, cfg.seed))
-                     for _ in range(cfg.group)]
-        policy.eval()
-        with dist.gathered(policy):
-            ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
-                         mask_retrieved=cfg.mask_retrieved, progress=dist.is_main(), **rollout_kw)
-        t_rollout = time.time() - t0
-        sampler.release()  # vLLM frees its KV cache while the trainer works (GPU sleep mode); HFSampler: nothing
+    # Ctrl-C: the step finishes, is checkpointed, and the run stops (a second Ctrl-C: at once)
+    with GracefulStop(announce=dist.is_main()) as stop:
+        for step in range(start, cfg.steps):
+            t0 = time.time()
+            # -------------------------------------------------------------- rollouts
+            # torchrun: each rank rolls out its share of the questions, a question's group whole on one rank
+            questions = [q for q in dist.shard(batch_questions(train_qa, step, cfg.batch_size, cfg.seed))
+                         for _ in range(cfg.group)]
+            policy.eval()
+            with dist.gathered(policy):
+                ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
+                             mask_retrieved=cfg.mask_retrieved, progress=dist.is_main(), **rollout_kw)
+            t_rollout = time.time() - t0
+            sampler.release()  # vLLM frees its KV cache while the trainer works (GPU sleep mode); HFSampler: nothing
 
-        # -------------------------------------------------------------- rewards
-        em = compute_rewards(ro, questions)  # (N,) exact match: Search-R1's reward, and logged for every run
-        terms = {}
-        if cfg.reward == "r1pp":  # R1-Searcher++ §4.2.1: R_format (0 / -2) + R_answer (cover-EM) + R_group
-            terms = reward_terms(ro, questions, protocol, cfg.group, cfg.eta, cfg.group_reward)  # each (N,)
-            scores = terms["format"] + terms["answer"] + terms["group"]  # (N,)
-        else:
-            scores = em
-        check_finite(step + 1, reward=scores)
+            # -------------------------------------------------------------- rewards
+            em = compute_rewards(ro, questions)  # (N,) exact match: Search-R1's reward, and logged for every run
+            terms = {}
+            if cfg.reward == "r1pp":  # R1-Searcher++ §4.2.1: R_format (0 / -2) + R_answer (cover-EM) + R_group
+                terms = reward_terms(ro, questions, protocol, cfg.group, cfg.eta, cfg.group_reward)  # each (N,)
+                scores = terms["format"] + terms["answer"] + terms["group"]  # (N,)
+            else:
+                scores = em
+            check_finite(step + 1, reward=scores)
 
-        # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
-        mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
-        if rewriter is not None:
-            with dist.gathered(rewriter.model), on_device(rewriter.model, device, cfg.ref_offload):
-                mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
-                                                    cfg.chat_template)
-
-        # -------------------------------------------------------------- old / reference log-probs, values
-        mask = ro.loss_mask.float()  # (N, T)
-        old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)  # (N, T)
-        with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
-            ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
-                        if ref is not None else old_logp)
-        kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
-
-        # -------------------------------------------------------------- advantages
-        old_values = ret = None  # PPO only
-        if cfg.algo == "ppo":
-            old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
-            rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
-            adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam, whiten=dist.masked_whiten)  # (N, T)
-        elif cfg.algo == "grpo":  # torchrun: all ranks' scores, as group = 1's baseline is the whole batch's mean
-            adv = broadcast(dist.local_rows(group_advantages(dist.gather_rows(scores), cfg.group)), mask)  # (N, T)
-        elif cfg.algo == "reinforce_pp":
-            adv = reinforce_pp_advantages(scores, kl_tok, mask, cfg.kl_coef, cfg.gamma, whiten=dist.masked_whiten)
-        else:
-            sys.exit(f"error: unknown --algo {cfg.algo!r} (valid: grpo, ppo, reinforce_pp)")
-
-        # -------------------------------------------------------------- update
-        policy.train()
-        stats = update(cfg, step, train_policy, opt, ro, old_logp, ref_logp, adv, device, train_critic, critic_opt,
-                       old_values, ret, mem)
-        sched.step()
-        if critic is not None:
-            critic_sched.step()
-        t1 = time.time()
-        with dist.gathered(policy):
-            sampler.push_weights(policy)  # vLLM: copy the new weights in; HFSampler generates with policy itself
-        t_push = time.time() - t1
-
-        # -------------------------------------------------------------- log
-        # means over all ranks' trajectories; rank-summed loss statistics (normalised as in update())
-        n_mini = len(stats["grad_norm"])  # optimizer steps
-        row = {
-            "step": step + 1, "reward": dist.mean(scores), "em": dist.mean(em),
-            **{f"r_{k}": dist.mean(v) for k, v in terms.items()},
-            "searches": dist.mean(ro.searches), "turns": dist.mean(ro.turns), "answered": dist.mean(ro.answered),
-            "response_len": dist.mean(ro.loss_mask.sum(1)),
-            **{k: dist.all_mean(sum(v)) / n_mini for k, v in stats.items() if v and k not in ("grad_norm", "mem_loss")},
-            "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
-            "t_rollout": t_rollout, "t_push": t_push, "seconds": time.time() - t0,
-        }
-        if rewriter is not None:
-            n_kept = len(mem) if mem is not None else 0
-            row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
-                    "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
-        if dist.is_main():
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
-                  f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "
-                  f"| kl {row['kl']:.4f} | clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} | lr {row['lr']:.2e} "
-                  f"| {row['seconds']:.1f}s", flush=True)
-        if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0 and dist.is_main():
-            from searchlite.view import write_html
-
-            write_html(out / "trajectories" / f"step{step + 1:05d}.html", ro, tokenizer, scores.tolist(),
-                       [q.answers for q in questions], title=f"step {step + 1}", limit=8)
-            if mem is not None:
-                write_html(out / "trajectories" / f"step{step + 1:05d}-memorization.html", mem, tokenizer,
-                           [1.0] * len(mem), [[a] for a in mem.answers], title=f"step {step + 1}: rewrites", limit=8)
-
-        # -------------------------------------------------------------- checkpoint
-        stopping = dist.all_max(int(stop.requested)) > 0  # torchrun: every rank stops after the same step
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
-            # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
-            # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
-            state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
-                     "rng": dist.per_rank(rng_state()), "sampler": dist.per_rank(sampler.state_dict()),
-                     "config": vars(cfg)}
-            if critic is not None:
-                state |= {"critic_opt": dist.optimizer_state(critic, critic_opt),
-                          "critic_sched": critic_sched.state_dict()}
+            # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
+            mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
             if rewriter is not None:
-                state["rewriter"] = dist.per_rank(rewriter.state_dict())
-            policy_weights, critic_weights = dist.full_state_dict(policy), dist.full_state_dict(critic)
+                with dist.gathered(rewriter.model), on_device(rewriter.model, device, cfg.ref_offload):
+                    mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
+                                                        cfg.chat_template)
+
+            # -------------------------------------------------------------- old / reference log-probs, values
+            mask = ro.loss_mask.float()  # (N, T)
+            old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)  # (N, T)
+            with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
+                ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
+                            if ref is not None else old_logp)
+            kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
+
+            # -------------------------------------------------------------- advantages
+            old_values = ret = None  # PPO only
+            if cfg.algo == "ppo":
+                old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
+                rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
+                adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam, whiten=dist.masked_whiten)  # (N, T)
+            elif cfg.algo == "grpo":  # torchrun: all ranks' scores, as group = 1's baseline is the whole batch's mean
+                adv = broadcast(dist.local_rows(group_advantages(dist.gather_rows(scores), cfg.group)), mask)  # (N, T)
+            elif cfg.algo == "reinforce_pp":
+                adv = reinforce_pp_advantages(scores, kl_tok, mask, cfg.kl_coef, cfg.gamma, whiten=dist.masked_whiten)
+            else:
+                sys.exit(f"error: unknown --algo {cfg.algo!r} (valid: grpo, ppo, reinforce_pp)")
+
+            # -------------------------------------------------------------- update
+            policy.train()
+            stats = update(cfg, step, train_policy, opt, ro, old_logp, ref_logp, adv, device, train_critic, critic_opt,
+                           old_values, ret, mem)
+            sched.step()
+            if critic is not None:
+                critic_sched.step()
+            t1 = time.time()
+            with dist.gathered(policy):
+                sampler.push_weights(policy)  # vLLM: copy the new weights in; HFSampler generates with policy itself
+            t_push = time.time() - t1
+
+            # -------------------------------------------------------------- log
+            # means over all ranks' trajectories; rank-summed loss statistics (normalised as in update())
+            n_mini = len(stats["grad_norm"])  # optimizer steps
+            row = {
+                "step": step + 1, "reward": dist.mean(scores), "em": dist.mean(em),
+                **{f"r_{k}": dist.mean(v) for k, v in terms.items()},
+                "searches": dist.mean(ro.searches), "turns": dist.mean(ro.turns), "answered": dist.mean(ro.answered),
+                "response_len": dist.mean(ro.loss_mask.sum(1)),
+                **{k: dist.all_mean(sum(v)) / n_mini for k, v in stats.items()
+                   if v and k not in ("grad_norm", "mem_loss")},
+                "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
+                "t_rollout": t_rollout, "t_push": t_push, "seconds": time.time() - t0,
+            }
+            if rewriter is not None:
+                n_kept = len(mem) if mem is not None else 0
+                row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
+                        "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
             if dist.is_main():
-                save_checkpoint(out, policy, tokenizer, state, critic, policy_weights, critic_weights)
-            dist.barrier()
-        if stopping:
-            if dist.is_main():
-                print(f"stopped after step {step + 1}, checkpoint saved: rerun with --resume to continue", flush=True)
-            break
-    stop.restore()
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+                print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
+                      f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "
+                      f"| kl {row['kl']:.4f} | clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} "
+                      f"| lr {row['lr']:.2e} "
+                      f"| {row['seconds']:.1f}s", flush=True)
+            if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0 and dist.is_main():
+                from searchlite.view import write_html
+
+                write_html(out / "trajectories" / f"step{step + 1:05d}.html", ro, tokenizer, scores.tolist(),
+                           [q.answers for q in questions], title=f"step {step + 1}", limit=8)
+                if mem is not None:
+                    write_html(out / "trajectories" / f"step{step + 1:05d}-memorization.html", mem, tokenizer,
+                               [1.0] * len(mem), [[a] for a in mem.answers], title=f"step {step + 1}: rewrites",
+                               limit=8)
+
+            # -------------------------------------------------------------- checkpoint
+            stopping = dist.all_max(int(stop.requested)) > 0  # torchrun: every rank stops after the same step
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
+                # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
+                # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
+                state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
+                         "rng": dist.per_rank(rng_state()), "sampler": dist.per_rank(sampler.state_dict()),
+                         "config": vars(cfg)}
+                if critic is not None:
+                    state |= {"critic_opt": dist.optimizer_state(critic, critic_opt),
+                              "critic_sched": critic_sched.state_dict()}
+                if rewriter is not None:
+                    state["rewriter"] = dist.per_rank(rewriter.state_dict())
+                policy_weights, critic_weights = dist.full_state_dict(policy), dist.full_state_dict(critic)
+                if dist.is_main():
+                    save_checkpoint(out, policy, tokenizer, state, critic, policy_weights, critic_weights)
+                dist.barrier()
+            if stopping:
+                if dist.is_main():
+                    print(f"stopped after step {step + 1}, checkpoint saved: rerun with --resume to continue",
+                          flush=True)
+                break
     if dist.is_main():
         metrics_file.close()
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed
     dist.close()
-    if stop.requested:  # 130 after Ctrl-C: a script running this stops too (GracefulStop)
-        sys.exit(128 + stop.signum)
+    stop.exit_if_requested()  # 130 after Ctrl-C: a script running train.py stops too
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -170,17 +171,26 @@ def set_rng_state(state: dict) -> None:
 
 
 class GracefulStop:
-    """From its creation until `restore()`, Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption)
-    only sets `requested`: the loop checkpoints at the end of its step and stops, so nothing
-    trained is lost and `--resume` continues exactly. A second signal stops at once. The program
-    then exits with status 128 + the signal number, as a shell reports a killed one, so that a
-    script that ran it (`set -e`) stops too instead of going on to its next command."""
+    """Inside `with GracefulStop() as stop:`, Ctrl-C (SIGINT) or SIGTERM (a scheduler's
+    preemption) only sets `stop.requested`: the loop checkpoints at the end of its step and
+    stops, so nothing trained is lost and `--resume` continues exactly. A second signal stops at
+    once. Leaving the block, however it ends, puts the previous handlers back. Then
+    `stop.exit_if_requested()` exits with status 128 + the signal number, as a shell reports a
+    killed program, so that a script that ran it (`set -e`) stops too instead of going on."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, announce: bool = True):
         self.requested, self.signum, self.announce = False, 0, announce  # announce: print what happens
+        self.previous = []
+
+    def __enter__(self) -> "GracefulStop":
         self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in zip(self.SIGNALS, self.previous):
+            signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -190,9 +200,12 @@ class GracefulStop:
             print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
                   "to stop at once", flush=True)
 
-    def restore(self) -> None:
-        for s, handler in zip(self.SIGNALS, self.previous):
-            signal.signal(s, handler)
+    def exit_if_requested(self, message: str = "") -> None:
+        """After a signal: print `message` (how to resume), then exit with status 128 + the signal."""
+        if self.requested:
+            if message:
+                print(message, flush=True)
+            sys.exit(128 + self.signum)
 
 
 def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None,

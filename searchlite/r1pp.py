@@ -406,15 +406,12 @@ def stage1(cfg) -> Path:
         kept = join(kept, demos, tokenizer)
     write_html(out / "trajectories" / "kept.html", kept, tokenizer, [1.0] * len(kept), [[a] for a in kept.answers],
                title="stage 1: kept trajectories", limit=16)
-    stop = GracefulStop()  # Ctrl-C: the SFT step finishes and its state is saved (also at each epoch's end)
-    losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
-                 lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
-                 grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
-    stop.restore()
-    if stop.requested:  # exit status 128 + the signal, as train.py's (GracefulStop)
-        print(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: rerun the same "
-              "command with --resume to continue", flush=True)
-        sys.exit(128 + stop.signum)
+    with GracefulStop() as stop:  # Ctrl-C: the SFT step finishes and its state is saved (also at each epoch's end)
+        losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
+                     lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
+                     grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
+    stop.exit_if_requested(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: "
+                           "rerun the same command with --resume to continue")
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     tail = losses[-20:]

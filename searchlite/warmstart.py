@@ -133,23 +133,21 @@ def build(args) -> None:
     if not args.resume:
         for path in states.values():
             path.unlink(missing_ok=True)
-    stop = GracefulStop()  # Ctrl-C: the SFT step finishes, the phase's state is saved, the build stops
     seed = args.seed * 1000
-    for k, (name, passes, teacher) in enumerate(phases):
-        seeds, seed = list(range(seed, seed + passes)), seed + passes
-        input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats,
-                                                            teacher=teacher)
-        print(f"{name} teacher: {len(input_ids)} trajectories, {int(attention_mask.sum())} tokens "
-              f"({int(loss_mask.sum())} trained on)", flush=True)
-        losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
-                     batch_size=args.batch_size, warmup=50, seed=args.seed + k, state_path=states[name], stop=stop)
-        if stop.requested:
-            break
-    stop.restore()
-    if stop.requested:  # exit status 128 + the signal, as train.py's (GracefulStop)
-        print(f"stopped after step {len(losses)} of the {name} phase, its state saved in {states[name]}: rerun the "
-              "same command with --resume to continue", flush=True)
-        sys.exit(128 + stop.signum)
+    with GracefulStop() as stop:  # Ctrl-C: the SFT step finishes, the phase's state is saved, the build stops
+        for k, (name, passes, teacher) in enumerate(phases):
+            seeds, seed = list(range(seed, seed + passes)), seed + passes
+            input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats,
+                                                                teacher=teacher)
+            print(f"{name} teacher: {len(input_ids)} trajectories, {int(attention_mask.sum())} tokens "
+                  f"({int(loss_mask.sum())} trained on)", flush=True)
+            losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
+                         batch_size=args.batch_size, warmup=50, seed=args.seed + k, state_path=states[name],
+                         stop=stop)
+            if stop.requested:
+                break
+    stop.exit_if_requested(f"stopped after step {len(losses)} of the {name} phase, its state saved in "
+                           f"{states[name]}: rerun the same command with --resume to continue")
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     for path in states.values():

@@ -1,6 +1,8 @@
 """train.py end to end on a tiny random Llama: each algorithm runs, resume is exact, guards fire."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -95,8 +97,6 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
                                                                    capsys):
     """Ctrl-C during step 2 of a run that saves only at its end (--save_every 0): the step
     finishes, is checkpointed, the run stops; --resume then ends where an uninterrupted run ends."""
-    import signal
-
     from conftest import CtrlC
     from safetensors.torch import load_file
 
@@ -115,6 +115,27 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
+
+
+def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
+    """The first SIGTERM only sets `requested`; a second one stops at once; leaving the block puts
+    the previous handlers back, even when it raises; then the exit status is 128 + 15."""
+    from searchlite.models import GracefulStop
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
+        assert not stop.requested
+        stop.exit_if_requested("not printed")  # nothing asked yet: returns
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(SystemExit) as stopped:
+        stop.exit_if_requested("rerun with --resume")
+    assert stopped.value.code == 128 + 15
+    out = capsys.readouterr().out
+    assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
 
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
@@ -140,6 +161,7 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     with pytest.raises(KeyboardInterrupt):
         train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2"]))
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a run that raised puts Ctrl-C back too
     monkeypatch.setattr(train, "compute_rewards", rewards)
     train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2", "--resume"]))
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
