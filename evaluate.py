@@ -44,7 +44,7 @@ from functools import partial
 from pathlib import Path
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, is_hub_name, resolve_path
-from searchlite.data import DataError, read_qa
+from searchlite.data import DataError, read_qa, replace_durably
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -148,7 +148,7 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)  # only a complete folder ever has the final name
+    replace_durably(tmp, folder)  # only a complete folder ever has the final name
     return folder
 
 
@@ -230,7 +230,7 @@ def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dic
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
-    tmp.replace(out / "results.json")
+    replace_durably(tmp, out / "results.json")
     (out / "table.md").write_text(text + "\n")
 
 

@@ -204,7 +204,27 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
     with _open(tmp, "wb", path.name.endswith(".gz")) as f:
         for row in rows:
             f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+    replace_durably(tmp, path)
+
+
+def replace_durably(tmp, path) -> None:
+    """Rename the finished `tmp`, a file or a folder, to `path` so that a crash, or a power cut,
+    leaves the old or the new, never half of one: its data reach the disk first (the rename alone
+    orders nothing: after a power cut a renamed file can be empty), then the rename, then the
+    folder's entry. A folder `path` must be absent or empty."""
+    tmp, path = Path(tmp), Path(path)
+    for f in [tmp, *tmp.rglob("*")] if tmp.is_dir() else [tmp]:
+        _fsync(f)
     os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a folder too: its entries
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_log(path, cut: bool = True) -> list[dict]:

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
 
 from tqdm import tqdm
 
-from .data import append_log, read_log
+from .data import append_log, read_log, replace_durably
 from .protocol import TEMPLATE_DIR
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
@@ -222,7 +221,7 @@ class RecordLog:
             self.done[self.key(r)] = r
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.done.values()), encoding="utf-8")
-        os.replace(tmp, self.path)
+        replace_durably(tmp, self.path)
 
 
 def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, batch_size: int = 16, judge=None,

@@ -29,6 +29,7 @@ import shutil
 import numpy as np
 
 from searchlite.corpus import Corpus
+from searchlite.data import replace_durably
 from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, default_prefixes
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
@@ -102,7 +103,7 @@ def encode_shards(corpus: Corpus, folder, enc: TextEncoder, prefix: str, shard_s
             emb = enc.encode([p.contents for p in chunk], prefix, bar=bar)  # (shard, H)
             with open(path + ".tmp", "wb") as f:
                 np.save(f, emb)
-            os.replace(path + ".tmp", path)  # a shard is there whole or not at all
+            replace_durably(path + ".tmp", path)  # a shard is there whole or not at all
     return paths
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, resolve_path
+from .data import replace_durably
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -210,7 +211,8 @@ class GracefulStop:
 
 def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Critic | None = None,
                     policy_weights: dict | None = None, critic_weights: dict | None = None) -> Path:
-    """Write out_dir/checkpoint atomically (temporary folder, then rename) and return its path.
+    """Write out_dir/checkpoint atomically (a temporary folder, on disk before it is renamed) and
+    return its path.
     `policy_weights` / `critic_weights`: full state dicts to write instead of the modules' own
     (FSDP2 shards them; searchlite/distributed.py gathers them to rank 0)."""
     out_dir = Path(out_dir)
@@ -224,7 +226,7 @@ def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Cri
     if final.exists():  # else `old` may be the only good checkpoint (a save that died mid-rename): keep it
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
-    tmp.rename(final)
+    replace_durably(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
 

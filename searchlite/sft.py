@@ -15,13 +15,13 @@ warm-up and cosine decay. Left out on purpose: packing, LoRA (see models.py).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from .config import ConfigError
+from .data import replace_durably
 from .losses import token_logprobs
 from .models import rng_state, set_rng_state
 
@@ -99,12 +99,13 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
 
 
 def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> None:
-    """Everything `sft` needs to continue, written to a temporary file and renamed over `path`."""
+    """Everything `sft` needs to continue, written to a temporary file and renamed over `path`
+    once it is on disk."""
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "losses": losses,
              "rng": rng_state(), "settings": settings}
     tmp = Path(f"{path}.tmp")
     torch.save(state, tmp)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def load_state(path, model, opt, sched, settings: dict) -> list[float]:

@@ -228,18 +228,38 @@ def test_a_save_interrupted_twice_keeps_a_checkpoint_to_resume_from(tiny_llama, 
 
     save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 2})
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")  # the first kill, mid-rename
-    real = Path.rename
+    real = os.replace
 
-    def killed(self, target):
-        if self.name == "checkpoint.tmp":
+    def killed(src, dst):
+        if Path(src).name == "checkpoint.tmp":
             raise KeyboardInterrupt  # the second kill, just before the new checkpoint is in place
-        return real(self, target)
+        return real(src, dst)
 
-    monkeypatch.setattr(Path, "rename", killed)
+    monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})
     assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
     assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 2
-    monkeypatch.setattr(Path, "rename", real)
+    monkeypatch.setattr(os, "replace", real)
     save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})  # the next save completes and tidies up
     assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 4 and not (tmp_path / "checkpoint.old").exists()
+
+
+def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_tokenizer, tmp_path, monkeypatch):
+    """Every file of a checkpoint is fsynced before the rename that makes it the checkpoint, and
+    the folder holding it after: a power cut can never leave a `checkpoint` of empty files."""
+    from pathlib import Path
+
+    from searchlite.models import save_checkpoint
+
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("rename", str(src))), replace(src, dst)))
+    ckpt = save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 1})
+    renamed = events.index(("rename", str(tmp_path / "checkpoint.tmp")))
+    synced = {Path(p).relative_to(tmp_path / "checkpoint.tmp") for kind, p in events[:renamed]
+              if kind == "sync" and p.startswith(str(tmp_path / "checkpoint.tmp"))}
+    files = {f.relative_to(ckpt) for f in ckpt.rglob("*") if f.is_file()}
+    assert {Path("trainer.pt"), Path("policy/model.safetensors")} <= files <= synced
+    assert ("sync", str(tmp_path)) in events[renamed:]
