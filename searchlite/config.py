@@ -69,7 +69,7 @@ class Config:
     max_turns: int = 4  # search budget; one more turn without search then forces an answer
     max_new_tokens: int = 500  # tokens generated per turn
     max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)
-    max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends when reached
+    max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends there, or at the model's context
     temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts
     sampler: str = "hf"  # hf (transformers generate) | vllm (vLLM in this process, weights pushed after each update; ./setup.sh vllm)

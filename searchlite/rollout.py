@@ -72,6 +72,9 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
     docs: list[list] = [[] for _ in range(n)]
     message = tokenizer.encode(protocol.invalid_message, add_special_tokens=False)
     obs_mask = 0 if mask_retrieved else 1
+    # a trajectory ends at max_len, or where the sampler's model runs out of positions (vLLM's
+    # max_model_len; HFSampler's model's max_position_embeddings), whichever comes first
+    max_len = min(max_len, getattr(sampler, "max_model_len", None) or max_len)
     active = list(range(n))
     bar = _bar(progress, max_turns + 1)
     for turn in range(max_turns + 1):

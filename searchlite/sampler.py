@@ -82,6 +82,8 @@ class HFSampler:
             else tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        # the positions the model knows, vLLM's max_model_len: a row's prompt + new tokens stop there
+        self.max_model_len = getattr(_transformers_model(model).config, "max_position_embeddings", None)
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -120,6 +122,10 @@ class HFSampler:
             return []
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
+        rooms = [max_new if self.max_model_len is None else min(max_new, self.max_model_len - len(p)) for p in prompts]
+        if min(rooms) <= 0:
+            raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room in the model's "
+                             f"{self.max_model_len} positions; lower --max_len")
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         mask = torch.zeros_like(ids)  # (B, P) 1 = real prompt token
         for i, p in enumerate(prompts):
@@ -135,7 +141,7 @@ class HFSampler:
         hf.generation_config = _plain_generation_config(saved)
         try:
             seqs = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(rooms),
                 do_sample=not greedy, temperature=self.temperature if not greedy else None,
                 top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
                 stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
@@ -144,4 +150,4 @@ class HFSampler:
             self.model.train(was_training)
             hf.generation_config = saved
         new = seqs[:, width:].cpu()  # (B, new)
-        return [new[i, : (recorder.done_at[i] or new.shape[1])].tolist() for i in range(len(prompts))]
+        return [new[i, : min(recorder.done_at[i] or new.shape[1], rooms[i])].tolist() for i in range(len(prompts))]

@@ -204,7 +204,7 @@ class VLLMSampler:
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in vLLM's max_model_len "
-                             f"{self.max_model_len}; lower --max_len or raise the model's context")
+                             f"{self.max_model_len}; lower --max_len")
         return SamplingParams(
             max_tokens=min(max_new, room), temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p, seed=seed, stop=list(stop) or None,

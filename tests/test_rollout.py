@@ -1,5 +1,6 @@
 """The rollout loop, driven by a scripted sampler and a fake retriever through every branch."""
 
+import pytest
 import torch
 from conftest import make_tiny_llama
 
@@ -179,3 +180,22 @@ def test_hf_sampler_stops_only_on_a_stop_string_in_the_sampled_text(byte_tokeniz
     stop = tok.decode(prompt[-2:]) + tok.decode(free[:1])  # "pt" + "t": straddles the prompt's end
     assert stop not in tok.decode(free)  # so a stop inside the sampled text cannot explain a cut
     assert HFSampler(model, tok, max_new_tokens=12).generate([prompt], stop=(stop,), greedy=True)[0] == free
+
+
+def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
+    """Rows with 3 and 20 positions left of the model's max_position_embeddings get 3 and 12
+    tokens (max_new_tokens 12), the same ones as alone; a rollout with a larger max_len ends the
+    first row's trajectory there instead of sampling past the context."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=5)
+    model.config.max_position_embeddings = 100
+    sampler = HFSampler(model, tok, max_new_tokens=12)
+    prompts = [[7] * 97, [9] * 80]
+    outs = sampler.generate(prompts, greedy=True)
+    assert [len(o) for o in outs] == [3, 12]  # a random model never stops early
+    assert outs[0] == sampler.generate(prompts[:1], greedy=True)[0]
+    with pytest.raises(ValueError, match="100 positions"):
+        sampler.generate([[7] * 100])
+    model.config.max_position_embeddings = len(encode_prompt(tok, P, "who?")) + 20
+    ro = rollout(HFSampler(model, tok, max_new_tokens=12), FakeRetriever(), tok, P, ["who?"], max_turns=3, topk=1, max_len=4096, greedy=True)
+    assert ro.turns.tolist() == [1] and int(ro.loss_mask[0].nonzero().max()) < model.config.max_position_embeddings

@@ -193,6 +193,29 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine):
         engine.generate([[5] * engine.max_model_len])
 
 
+def test_trajectories_end_at_the_context_as_with_hf(engine, tok):
+    """With --max_len above the model's 1,024 positions, a rollout ends each trajectory where the
+    context does instead of failing, no token is sampled past it, and HFSampler cuts each row
+    to the same tokens (greedy, random weights: outputs run to their limit)."""
+    from searchlite.protocol import get_protocol
+    from searchlite.rollout import encode_prompt, rollout
+
+    from test_rollout import FakeRetriever
+
+    model = random_toy_model(4)
+    engine.push_weights(model)
+    protocol = get_protocol("search_r1", "toy")
+    base = len(encode_prompt(tok, protocol, "who"))
+    questions = ["who" + " is" * (engine.max_model_len - room - base) for room in (5, 30, 70, 200)]
+    kw = dict(max_turns=4, topk=1, max_len=4096, greedy=True)
+    a = rollout(engine, FakeRetriever(), tok, protocol, questions, **kw)
+    b = rollout(hf_sampler(model, tok), FakeRetriever(), tok, protocol, questions, **kw)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    last_sampled = [int(row.nonzero().max()) for row in a.loss_mask]
+    assert max(last_sampled) == engine.max_model_len - 1  # the row with 5 positions left fills them
+    assert a.turns.tolist() == [1, 1, 1, 3]  # a turn takes 24 sampled + 52 message tokens: 200 left hold 3
+
+
 def test_missing_vllm_names_the_setup_command(monkeypatch):
     import sys
 
