@@ -47,13 +47,14 @@ def length_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator,
 
 def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr: float = 1e-3,
         batch_size: int = 32, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0,
-        progress: bool = True, state_path=None, stop=None) -> list[float]:
+        progress: bool = True, state_path=None, stop=None, run: dict | None = None) -> list[float]:
     """Train `model` in place on the (N, T) rows; returns the loss of every step so far.
 
     With `state_path`, the training state (weights, optimizer, schedule, step, losses, RNG) is
     saved there at the end of each epoch and when `stop.requested` turns true (a GracefulStop:
     the step finishes, is saved, and sft returns early); a call that finds a state there starts
-    after its last step, and ends as an uninterrupted call would."""
+    after its last step, and ends as an uninterrupted call would. `run`: the caller's settings
+    that a resume must share too (flags that change the rows or the result), checked with sft's own."""
     n = input_ids.shape[0]
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -65,7 +66,7 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator().manual_seed(seed)
     settings = dict(rows=n, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup, weight_decay=weight_decay,
-                    grad_clip=grad_clip, seed=seed)  # a resume must continue the same run
+                    grad_clip=grad_clip, seed=seed, **(run or {}))  # a resume must continue the same run
     losses = []
     if state_path is not None and Path(state_path).exists():
         losses = load_state(state_path, model, opt, sched, settings)
@@ -111,10 +112,11 @@ def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> 
 def load_state(path, model, opt, sched, settings: dict) -> list[float]:
     """Restore what `save_state` wrote; a ConfigError if it was saved by an SFT with other settings."""
     state = torch.load(path, map_location="cpu", weights_only=False)
-    changed = [f"{k} = {v}, this one has {k} = {settings[k]}" for k, v in state["settings"].items() if settings[k] != v]
+    changed = [f"{k} = {v}, this one has {k} = {settings.get(k)}" for k, v in state["settings"].items()
+               if settings.get(k) != v]
     if changed:
-        raise ConfigError(f"{path}: saved by an SFT with {'; '.join(changed)}; rerun with its settings, or delete "
-                          "the file to start the SFT over")
+        raise ConfigError(f"{path}: saved by a run with {'; '.join(changed)}; resume with its settings, or rerun "
+                          "without --resume to start over")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     sched.load_state_dict(state["sched"])

@@ -9,10 +9,15 @@ knows each question's hops (toy-world `meta["hops"]`) but reads values only from
 passages it was shown, like a model would. Its mistakes are the ones RL should fix
 (R1-Searcher++ §4.1 cold start; DESIGN.md "The toy world"):
 
-- answers without searching (`p_guess`; correct for famous facts, a guess otherwise),
-- stops after the first hop of a 2-hop question and answers the bridge entity (`p_stop`),
+- answers without searching (`p_guess`): a random value of the answer's kind. A famous
+  question is first answered from memory, rightly, with `p_famous_internal`, so it takes
+  such a guess with (1 - p_famous_internal) * p_guess,
+- stops after the first hop (`p_stop`): a 2-hop question is answered with the bridge
+  entity, a comparison with a coin flip between its two names,
 - searches the whole question verbatim instead of the entity (`p_verbatim`),
-- copies the wrong span from the passages (`p_wrong_span`).
+- copies the wrong span from the passages (`p_wrong_span`). A comparison's answer reads the
+  first passage again, with a fresh draw, so now and then (3% of two-lookup comparisons) it
+  contradicts the year its thought wrote; the shipped warm start was taught with that.
 
 Each decision is drawn per turn from one seeded stream, so the same seed and questions give
 the same trajectories. Left out on purpose: any learned component.

@@ -8,9 +8,10 @@ teacher also writes R1-Searcher++'s, for that method's own cold start), with rea
 retrieval, famous questions repeated so their facts are memorised, each pass with a fresh seed
 so it shows new draws of the teacher's choices; (3) SFT a tiny Llama from random
 initialisation on those trajectories, retrieved tokens masked (searchlite.sft), in two phases
-at lr 3e-3, batch 4: first `--read_passes` passes of a careful teacher that always searches
-and reads right, then `--epochs` passes of the imperfect one (guesses, stops early, copies
-wrong spans), which sets the habits RL must fix. Reading a value out of a passage appears
+at lr 3e-3, batch 4: first `--read_passes` passes of a careful teacher that never guesses,
+stops early or misreads (it searches every question but the famous ones it recalls), then
+`--epochs` passes of the imperfect one (guesses, stops early, copies wrong spans), which sets
+the habits RL must fix; a phase of 0 passes is skipped. Reading a value out of a passage appears
 suddenly, after about 2,000 updates: batches of 32 (900 updates in the time budget) never got
 there, batches of 4 do, and the imperfect teacher's guesses, trained on from the start, drown
 the few tokens where a value is read; (4) save it as a Hugging Face folder, `toy/model`.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TOY_DIR, ArgumentParser, ConfigError, HelpFormatter
+from .config import TOY_DIR, ArgumentParser, ConfigError, HelpFormatter, at_least
 
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -48,7 +49,7 @@ def make_model(tokenizer, seed: int):
     return model
 
 
-CAREFUL = dict(p_guess=0.0, p_stop=0.0, p_verbatim=0.0, p_wrong_span=0.0)  # always searches, reads right
+CAREFUL = dict(p_guess=0.0, p_stop=0.0, p_verbatim=0.0, p_wrong_span=0.0)  # no mistakes; famous ones recalled
 
 
 def teacher_data(tokenizer, qa, retriever, seeds, famous_repeats: int, protocols=("search_r1",),
@@ -83,24 +84,26 @@ def main(argv=None) -> None:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=str(TOY_DIR), help="toy world folder; the model goes to OUT/model")
-    ap.add_argument("--read_passes", "--read-passes", type=int, default=6,
-                    help="first SFT phase: passes with a careful teacher that always searches and reads right "
-                         "(default 6)")
-    ap.add_argument("--epochs", type=int, default=4,
+    ap.add_argument("--read_passes", "--read-passes", type=at_least(0), default=6,
+                    help="first SFT phase: passes with a careful teacher that never guesses, stops early or "
+                         "misreads (default 6; 0 skips the phase)")
+    ap.add_argument("--epochs", type=at_least(0), default=4,
                     help="second SFT phase: passes with the imperfect teacher, each over fresh trajectories "
-                         "(default 4)")
+                         "(default 4; 0 skips the phase)")
     ap.add_argument("--lr", type=float, default=3e-3, help="SFT peak learning rate (default 3e-3)")
-    ap.add_argument("--batch_size", "--batch-size", type=int, default=4,
+    ap.add_argument("--batch_size", "--batch-size", type=at_least(1), default=4,
                     help="SFT batch size (default 4: reading emerges after ~2,000 updates, and small batches fit more)")
-    ap.add_argument("--famous_repeats", "--famous-repeats", type=int, default=1,
+    ap.add_argument("--famous_repeats", "--famous-repeats", type=at_least(0), default=1,
                     help="extra passes over famous questions (default 1)")
-    ap.add_argument("--questions", type=int, default=0,
+    ap.add_argument("--questions", type=at_least(0), default=0,
                     help="teach on the first N train questions only, for a quick small build (default 0: all)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
+    ap.add_argument("--threads", type=at_least(1), default=2, help="torch threads; fixed so a rebuild is bit-for-bit (default 2)")
     ap.add_argument("--resume", action="store_true",
                     help="continue a build stopped by Ctrl-C from its SFT state (OUT/warmstart_state_*.pt); it "
                          "ends with the bytes an uninterrupted build writes")
     args = ap.parse_args(argv)
+    if args.read_passes + args.epochs == 0:
+        ap.error("--read_passes 0 and --epochs 0 leave nothing to train on")
     try:
         build(args)
     except ConfigError as e:
@@ -134,8 +137,12 @@ def build(args) -> None:
         for path in states.values():
             path.unlink(missing_ok=True)
     seed = args.seed * 1000
+    # the flags a resumed phase must share besides sft's own: they change its rows (--threads: its bytes)
+    run = {f"--{k}": vars(args)[k] for k in ("questions", "famous_repeats", "read_passes", "epochs", "threads")}
     with GracefulStop() as stop:  # Ctrl-C: the SFT step finishes, the phase's state is saved, the build stops
         for k, (name, passes, teacher) in enumerate(phases):
+            if not passes:
+                continue
             seeds, seed = list(range(seed, seed + passes)), seed + passes
             input_ids, loss_mask, attention_mask = teacher_data(tokenizer, qa, retriever, seeds, args.famous_repeats,
                                                                 teacher=teacher)
@@ -143,7 +150,7 @@ def build(args) -> None:
                   f"({int(loss_mask.sum())} trained on)", flush=True)
             losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
                          batch_size=args.batch_size, warmup=50, seed=args.seed + k, state_path=states[name],
-                         stop=stop)
+                         stop=stop, run=run)
             if stop.requested:
                 break
     stop.exit_if_requested(f"stopped after step {len(losses)} of the {name} phase, its state saved in "

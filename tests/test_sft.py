@@ -73,5 +73,5 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
     ids, mask, attention = rows(byte_tokenizer, n=4)
     kw = dict(attention_mask=attention, batch_size=2, progress=False, state_path=tmp_path / "s.pt")
     sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-2, **kw)
-    with pytest.raises(ConfigError, match=r"s.pt: saved by an SFT with lr = 0.01, this one has lr = 0.001; rerun"):
+    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with lr = 0.01, this one has lr = 0.001; resume with"):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw)

@@ -80,6 +80,16 @@ def test_sizes_mix_and_famous_share(world):
         assert 6 <= len(p["text"].split()) <= 20 and p["text"].count(".") == 1, p  # one short sentence
 
 
+@pytest.mark.parametrize("seed", [51, 53, 57])
+def test_a_seed_short_of_plain_questions_takes_more_famous_ones(seed):
+    """These seeds deal too few plain 2-hop facts to train for its 90% plain share: the world
+    still builds, with its sizes and mix, topping up with famous questions."""
+    w = build_world(seed)
+    assert (len(w.train), len(w.test)) == (3600, 400)
+    two_hop = [q for q in w.train if q["type"] == "2hop"]
+    assert len(two_hop) == 1440 and 0.1 < sum(q["famous"] for q in two_hop) / len(two_hop) <= 0.15
+
+
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_every_question_is_answerable_from_its_passages(world, split):
     docs = {p["id"]: p for p in world.passages}

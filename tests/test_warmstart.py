@@ -68,3 +68,24 @@ def test_stopped_and_resumed_build_writes_the_same_model(tmp_path, monkeypatch, 
     assert ctrl_c.calls == steps - stop_at  # nothing trained is trained again
     assert digest(out) == digest(tmp_path / "whole")
     assert list(out.glob("warmstart_state_*.pt")) == []  # removed once the model is written
+
+
+def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp_path, monkeypatch, capsys,
+                                                                            torch_settings):
+    from conftest import CtrlC
+    from searchlite import sft, warmstart
+
+    small = ["--questions", "10", "--read_passes", "0", "--epochs", "1", "--threads", "1"]
+    ctrl_c = CtrlC(monkeypatch, sft, "sft_loss", at=2)
+    with pytest.raises(SystemExit) as stopped:
+        warmstart.main(["--out", str(tmp_path), *small])
+    assert stopped.value.code == 130 and "of the imperfect phase" in capsys.readouterr().out
+    ctrl_c.at = 0
+    with pytest.raises(SystemExit, match=r"--questions = 10, this one has --questions = 12; "
+                                         r"resume with its settings, or rerun without --resume"):
+        warmstart.main(["--out", str(tmp_path), *small, "--questions", "12", "--resume"])
+    warmstart.main(["--out", str(tmp_path), *small, "--resume"])
+    assert (tmp_path / "model" / "model.safetensors").exists() and ctrl_c.calls > 2
+    with pytest.raises(SystemExit):
+        warmstart.main(["--out", str(tmp_path), *small, "--epochs", "0"])
+    assert "--read_passes 0 and --epochs 0 leave nothing to train on" in capsys.readouterr().err
