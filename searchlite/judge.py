@@ -2,21 +2,25 @@
 question, the gold answer(s) and the prediction and says True or False.
 
     judge = Judge("http://127.0.0.1:8000/v1", model="gpt-4o-mini")   # any OpenAI-compatible server
-    judge.check()                    # raises JudgeError if the endpoint does not answer
-    judge.score(records)             # sets r["judge"] (1.0 / 0.0), r["judge_reply"], r["judge_model"]
+    judge.check()                    # raises JudgeError unless it judges a right and a wrong answer
+    judge.score(records)             # sets r["judge"] (1.0 / 0.0), r["judge_reply"] and judge.stamp
+    no_verdict(records)              # the judged records whose reply held no verdict
 
 The prompt is a file with `{question}`, `{golden_answers}` and `{prediction}` placeholders
 (default: searchlite/templates/judge.txt; pass `prompt=` to replace it). Requests are
-`POST {url}/chat/completions` with temperature 0, run `workers` at a time; connection errors,
-timeouts, 429 and 5xx are retried with exponential backoff. A reply counts as True when its
-first "true"/"false" word is "true"; a reply with neither is False (and kept in
-`judge_reply` to read). A question without a prediction is False without asking.
+`POST {url}/chat/completions` with temperature 0 and `max_tokens` (a reasoning model needs
+room to close its </think>), run `workers` at a time; connection errors, timeouts, 429 and
+5xx are retried with exponential backoff. `verdict` reads a reply (its rule is there); a reply
+without a verdict scores 0.0 and stays in `judge_reply` to read. A question without a
+prediction is 0.0 without asking. Each judged record carries `judge.stamp`: the model name and
+a hash of the URL, max_tokens and prompt, so a verdict from another judge setup can be told apart.
 The API key is read from the environment variable `key_env` (default OPENAI_API_KEY), if set.
 Left out on purpose: streaming, logprob-based scores, and batching many questions per request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -29,21 +33,45 @@ from pathlib import Path
 
 from .protocol import TEMPLATE_DIR
 
-_VERDICT = re.compile(r"\b(true|false)\b", re.I)
+# verdict()'s two readings; a "not" before the word flips it ("Not true.", "isn't true", "Not correct")
+_TRUE_FALSE = re.compile(r"((?:\bnot|n't)\s+)?\b(true|false)\b", re.I)
+_FIRST_WORD = re.compile(r"\W*(not\s+)?(correct|right|yes|incorrect|wrong|no)\b", re.I)
 
 
 class JudgeError(RuntimeError):
     """The judge endpoint failed or answered something that is not a chat completion."""
 
 
-def verdict(reply: str) -> bool:
-    """True when the first "true"/"false" word of `reply` is "true".
+def verdict(reply: str) -> bool | None:
+    """The judge's verdict in `reply`, None when it gives none.
 
-    >>> verdict("True."), verdict("**False**, it is Lyon"), verdict("I cannot tell")
-    (True, False, False)
+    The answer is what follows the reasoning's </think> (its <think> may have been in the
+    prompt); a reply still inside <think> has no answer. The verdict is the answer's last
+    "true" or "false", flipped by a "not" before it: the last, because a judge that explains
+    first ends on its verdict, and an echoed "True/False:" label comes first. Only the prompt's
+    words count there ("False. The correct answer is Lyon" is False). An answer with neither is
+    read by its first word: correct, right, yes (True); incorrect, wrong, no (False).
+
+    >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
+    (True, False, False, True)
+    >>> verdict("<think>Lyon is not Paris.</think> False"), verdict("<think>Okay, let me"), verdict("Hmm")
+    (False, None, None)
     """
-    m = _VERDICT.search(reply or "")
-    return bool(m) and m.group(1).lower() == "true"
+    answer = (reply or "").rsplit("</think>", 1)[-1].split("<think>", 1)[0]
+    last = None
+    for last in _TRUE_FALSE.finditer(answer):
+        pass
+    if last:
+        return (last.group(2).lower() == "true") != bool(last.group(1))
+    first = _FIRST_WORD.match(answer)
+    if first:
+        return (first.group(2).lower() in ("correct", "right", "yes")) != bool(first.group(1))
+    return None
+
+
+def no_verdict(records: list[dict]) -> list[dict]:
+    """The records asked of a judge whose reply held no verdict (each scored 0.0)."""
+    return [r for r in records if r.get("prediction") is not None and verdict(r.get("judge_reply", "")) is None]
 
 
 class Judge:
@@ -59,6 +87,10 @@ class Judge:
             raise ValueError(f"{self.prompt_path}: the judge prompt needs the placeholder(s) {', '.join(missing)}")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.workers, self.max_tokens = workers, max_tokens
+        # what a verdict depends on besides the question: another endpoint serving the same model
+        # name, another prompt or a cut-off reply can judge otherwise (evaluation.py re-judges on change)
+        setup = f"{self.url}\n{max_tokens}\n{self.template}"
+        self.stamp = {"judge_model": model, "judge_setup": hashlib.sha1(setup.encode()).hexdigest()[:12]}
 
     def prompt(self, question: str, golds: list[str], prediction: str) -> str:
         values = {"question": question, "golden_answers": " | ".join(golds), "prediction": prediction}
@@ -93,15 +125,25 @@ class Judge:
         raise JudgeError(f"judge endpoint {self.url} does not answer ({attempt + 1} attempt(s)): {cause}")
 
     def check(self) -> None:
-        """One short request, no retries, so a wrong URL fails at once and clearly."""
-        self.ask(self.prompt("What is 1 + 1?", ["2"], "2"), retries=0)
+        """A right and a wrong answer to one easy question, no retries: a wrong URL fails at once,
+        and so does a judge whose replies give no verdict (every score would be 0.0)."""
+        for prediction, expected in (("2", True), ("3", False)):
+            reply = self.ask(self.prompt("What is 1 + 1?", ["2"], prediction), retries=0)
+            got = verdict(reply)
+            if got is None:
+                raise JudgeError(f"judge {self.model} at {self.url} gave no verdict on a test question: "
+                                 f"{reply[:200]!r}; a reasoning model needs a larger max_tokens (now "
+                                 f"{self.max_tokens}) to finish thinking")
+            if got != expected:
+                raise JudgeError(f"judge {self.model} at {self.url} judged a {'right' if expected else 'wrong'} answer "
+                                 f"{got}: {reply[:200]!r} (asked whether 1 + 1 = {prediction}); check its prompt")
 
     def judge(self, question: str, golds: list[str], prediction: str | None) -> tuple[float, str]:
-        """(1.0 or 0.0, the raw reply) for one prediction."""
+        """(1.0 or 0.0, the raw reply) for one prediction; a reply without a verdict is 0.0."""
         if prediction is None:
             return 0.0, ""
         reply = self.ask(self.prompt(question, golds, prediction))
-        return float(verdict(reply)), reply
+        return float(verdict(reply) is True), reply
 
     def score(self, records: list[dict]) -> None:
         """Judge each record in place (`workers` requests at a time)."""
@@ -109,4 +151,4 @@ class Judge:
             results = list(pool.map(lambda r: self.judge(r["question"], r["golden_answers"], r["prediction"]),
                                     records))
         for r, (score, reply) in zip(records, results):
-            r["judge"], r["judge_reply"], r["judge_model"] = score, reply, self.model
+            r.update(judge=score, judge_reply=reply, **self.stamp)

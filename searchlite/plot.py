@@ -1,10 +1,12 @@
-"""Learning curves from metrics.jsonl: reward, EM, searches, response length and KL over steps.
+"""Learning curves from metrics.jsonl: train reward and EM, test EM, searches, response length, KL.
 
     python -m searchlite.plot runs/toy-grpo runs/toy-ppo --out curves.png
 
 The analogue of Search-R1's Figure 2 (training reward, valid search calls and response
-length over steps), one line per run, plus held-out test EM where the run evaluated.
-Needs matplotlib (`pip install matplotlib`, or the `plot` extra).
+length over steps), one line per run, labelled by its folder, plus train EM and held-out
+test EM. The reward is the run's own: EM under Search-R1's reward, format + answer + group
+terms under `--reward r1pp`; train EM is plotted apart for that reason. A panel shows only
+when some run logged its key. Needs matplotlib (`pip install matplotlib`, or the `plot` extra).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 from .config import ArgumentParser, HelpFormatter
 from .data import DataError, read_log
 
-PANELS = [("reward", "train reward (EM)"), ("eval/all", "held-out test EM"), ("searches", "valid searches / rollout"),
-          ("response_len", "response length (policy tokens)"), ("kl", "KL to reference")]
+PANELS = [("reward", "train reward"), ("em", "train EM"), ("eval/all", "held-out test EM"),
+          ("searches", "valid searches / rollout"), ("response_len", "response length (policy tokens)"),
+          ("kl", "KL to reference")]
 
 
 def read_metrics(run: str | Path) -> list[dict]:
@@ -25,6 +28,12 @@ def read_metrics(run: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"{run}: no metrics.jsonl (give a train.py out_dir or the file itself)")
     return read_log(path, cut=False)
+
+
+def label(run: str | Path) -> str:
+    """A run's name in the legend: its folder's, also when given as its metrics.jsonl."""
+    path = Path(run).resolve()
+    return path.parent.name if path.is_file() else path.name
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -41,21 +50,24 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot(runs: list[str], out: str) -> Path:
     metrics = [read_metrics(run) for run in runs]  # a missing or bad file is named before matplotlib loads
+    panels = [(key, title) for key, title in PANELS if any(series(rows, key)[0] for rows in metrics)]
+    if not panels:
+        raise DataError(f"{', '.join(runs)}: no step logged any of {', '.join(key for key, _ in PANELS)} yet")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
     for run, rows in zip(runs, metrics):
-        for ax, (key, title) in zip(axes, PANELS):
+        for ax, (key, title) in zip(axes[0], panels):
             xs, ys = series(rows, key)
             if xs:
-                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=Path(run).name)
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=label(run))
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return Path(out)
@@ -64,7 +76,8 @@ def plot(runs: list[str], out: str) -> Path:
 def main(argv=None) -> None:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files")
+    ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files; "
+                    "the legend names each by its folder")
     ap.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
     args = ap.parse_args(argv)
     try:

@@ -16,7 +16,7 @@ import evaluate
 from searchlite.data import QA
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
                                    summarize)
-from searchlite.judge import Judge, JudgeError
+from searchlite.judge import Judge, JudgeError, verdict
 from searchlite.protocol import get_protocol
 
 P = get_protocol("search_r1")
@@ -448,9 +448,12 @@ def test_error_no_data_and_mistyped_template(world, tmp_path):
 
 
 class JudgeHandler(JSONHandler):
-    """OpenAI chat-completions shape: True when the prompt's prediction line equals its gold line."""
+    """OpenAI chat-completions shape: True when the prompt's prediction line equals its gold line.
+
+    `answer(ok, prompt)` words the reply; a test swaps it (monkeypatch) to play another judge."""
 
     seen: list = []
+    answer = staticmethod(lambda ok, prompt: "True" if ok else "False.")
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -458,8 +461,8 @@ class JudgeHandler(JSONHandler):
         JudgeHandler.seen.append((self.path, body, self.headers.get("Authorization")))
         gold = re.search(r"Gold answer: (.*)", text)
         pred = re.search(r"Predicted answer: (.*)", text)
-        ok = gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | ")
-        self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": "True" if ok else "False."}}]})
+        ok = bool(gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | "))
+        self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": self.answer(ok, text)}}]})
 
 
 @pytest.fixture()
@@ -483,7 +486,7 @@ def test_judge_scores_records(judge_server, monkeypatch):
     judge.score(recs)
     assert [r["judge"] for r in recs] == [1.0, 0.0, 0.0]
     assert recs[1]["judge_reply"] == "False." and recs[2]["judge_reply"] == ""  # no prediction: not asked
-    assert len(JudgeHandler.seen) == 3  # the check and two questions
+    assert len(JudgeHandler.seen) == 4  # the check (a right and a wrong answer) and two questions
     path, body, auth = JudgeHandler.seen[-1]
     assert path == "/v1/chat/completions" and body["model"] == "judge-model" and body["temperature"] == 0
     assert auth == "Bearer sk-test"
@@ -497,6 +500,60 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     prompt.write_text("no placeholders")
     with pytest.raises(ValueError, match="placeholder"):
         Judge(judge_server, "m", prompt=str(prompt))
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("True", True), ("**True**", True), ("False.", False), ("Not true.", False), ("It isn't true", False),
+    ("True/False: False", False), ("False. The correct answer is Lyon", False),
+    ("Both name the same city, so: True", True), ("Correct", True), ("Yes", True), ("no", False),
+    ("Not correct", False), ("I cannot tell", None), ("", None),
+    ("<think>\nOkay, let me check", None),  # cut off while thinking (max_tokens too small)
+    ("<think>Is it true? Paris vs Lyon.</think>\n\nFalse", False),
+    ("Paris is Paris, so it is false that they differ.</think>\nTrue", True),  # <think> was in the prompt
+])
+def test_verdict(reply, expected):
+    assert verdict(reply) is expected
+
+
+def test_judge_check_needs_a_verdict_on_its_test_questions(judge_server, monkeypatch):
+    judge = Judge(judge_server, "m")
+    judge.check()  # the right answer judged True, the wrong one False
+    assert len(JudgeHandler.seen) == 2
+    monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: "<think>\nOkay, let me check"))
+    with pytest.raises(JudgeError, match=r"no verdict.*'<think>\\nOkay, let me check'.*max_tokens \(now 8\)"):
+        judge.check()
+    monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: "True"))
+    with pytest.raises(JudgeError, match=r"judged a wrong answer True: 'True'"):
+        judge.check()
+
+
+def test_a_judge_with_another_prompt_endpoint_or_length_judges_again(tok, tmp_path, judge_server):
+    questions = qa(("q1", ["Paris"]), ("q2", ["Rome"]))
+    sampler = ScriptedSampler(tok, {"q1": "paris", "q2": "Milan"})
+    run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
+    path = tmp_path / "r.jsonl"
+    prompt = tmp_path / "judge.txt"
+    prompt.write_text("Another prompt. Q: {question}\nGold answer: {golden_answers}\nPredicted answer: {prediction}\n")
+
+    def judged_by(judge):
+        """How many requests evaluate_set sends with `judge` over records already judged."""
+        before = len(JudgeHandler.seen)
+        recs = evaluate_set("d", "direct", questions, RecordLog(path), run, progress=False, judge=judge)
+        assert [r["judge"] for r in recs] == [1.0, 0.0]
+        return len(JudgeHandler.seen) - before
+
+    assert judged_by(Judge(judge_server, "j")) == 2
+    assert judged_by(Judge(judge_server, "j")) == 0  # the same judge: its verdicts stand
+    assert judged_by(Judge(judge_server, "j", prompt=str(prompt))) == 2  # each step changes one thing
+    assert judged_by(Judge(judge_server, "j", prompt=str(prompt))) == 0
+    other_url = judge_server.replace("127.0.0.1", "localhost")  # the same model name from another endpoint
+    assert judged_by(Judge(other_url, "j", prompt=str(prompt))) == 2
+    assert judged_by(Judge(other_url, "j", prompt=str(prompt), max_tokens=64)) == 2
+    # a record judged before verdicts carried the judge's setup cannot say which prompt judged it
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "judge_setup"}) + "\n" for r in lines))
+    assert judged_by(Judge(other_url, "j", prompt=str(prompt), max_tokens=64)) == 2
+    assert len(sampler.calls) == 1  # judged again, never generated again
 
 
 def test_judge_endpoint_not_answering():
@@ -526,6 +583,22 @@ def test_cli_with_judge(world, tmp_path, judge_server, capsys):
     assert all(r["judge_model"] == "gpt-4o-mini" for r in results["records"]["alpha"]["direct"])
     with pytest.raises(SystemExit, match="does not answer.*--judge_url"):
         evaluate.main(cli(world, tmp_path / "o2", "--judge_url", f"http://127.0.0.1:{free_port()}/v1"))
+
+
+def test_cli_judge_max_tokens_and_replies_without_a_verdict(world, tmp_path, judge_server, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--help"])
+    assert "--judge_max_tokens" in capsys.readouterr().out
+    # a judge that answers its check but rambles on the real questions
+    monkeypatch.setattr(JudgeHandler, "answer", staticmethod(
+        lambda ok, prompt: ("True" if ok else "False") if "1 + 1" in prompt else "Let me compare the two answers"))
+    evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--judge_url", judge_server,
+                      "--judge_max_tokens", "64"))
+    assert {body["max_tokens"] for _, body, _ in JudgeHandler.seen} == {64}
+    asked = len(JudgeHandler.seen) - 2  # less the check's two questions
+    err = capsys.readouterr().err
+    assert asked and err.count("warning:") == 1  # once, at the end, with the count
+    assert f"{asked} of {asked} judge replies held no verdict" in err and "Let me compare" in err
 
 
 # ---------------------------------------------------------------------------- the real model (opt in)

@@ -35,3 +35,31 @@ def test_a_running_run_is_read_as_it_stands_and_bad_input_is_named(tmp_path):
         main([str(tmp_path)])
     with pytest.raises(SystemExit, match=r"nowhere: no metrics.jsonl"):
         main([str(tmp_path / "nowhere")])
+    path.write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match=r"no step logged any of reward, em, eval/all"):
+        main([str(tmp_path)])
+
+
+def test_reward_and_em_panels_and_run_labels(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    # an r1pp run's reward adds format and group terms (it can be -2); its EM is logged apart
+    r1pp = tmp_path / "runs" / "r1pp"
+    r1pp.mkdir(parents=True)
+    (r1pp / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": -1.5, "em": 0.25}) + "\n")
+    old = tmp_path / "runs" / "old"  # a run from before train.py logged em
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    try:
+        plot([str(r1pp / "metrics.jsonl"), str(old)], str(tmp_path / "c.png"))  # a file and a folder
+        axes = {ax.get_title(): ax for ax in plt.gcf().axes}
+        assert list(axes)[:2] == ["train reward", "train EM"]
+        assert [list(line.get_ydata()) for line in axes["train reward"].lines] == [[-1.5], [0.5]]
+        assert [list(line.get_ydata()) for line in axes["train EM"].lines] == [[0.25]]
+        labels = [t.get_text() for t in axes["train reward"].get_legend().get_texts()]
+        assert labels == ["r1pp", "old"]  # a file is named by its run folder
+        plot([str(old)], str(tmp_path / "c.png"))
+        assert "train EM" not in [ax.get_title() for ax in plt.gcf().axes]  # no run logged em
+    finally:
+        plt.close("all")
