@@ -54,8 +54,6 @@ def make(args):
 def build(args) -> None:
     from searchlite.indexing import build_bm25_folder, build_dense_folder
 
-    if not args.corpus:
-        sys.exit("error: build needs --corpus")
     corpus, t0 = resolve_path(args.corpus), time.time()
     kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
     if kind == "dense":
@@ -66,11 +64,8 @@ def build(args) -> None:
                                search_params=args.search_params, shard_size=args.shard_size,
                                batch_size=args.batch_size, max_length=args.max_length, device=args.device,
                                keep_shards=args.keep_shards)
-    elif kind == "bm25":
-        r = build_bm25_folder(corpus, args.out)
     else:
-        sys.exit("error: build writes bm25 or dense index folders; rank_bm25 indexes a corpus in memory when "
-                 "query or serve starts (python retrieve.py serve --corpus FILE --kind rank_bm25)")
+        r = build_bm25_folder(corpus, args.out)
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
@@ -84,11 +79,15 @@ def main(argv=None) -> None:
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
         a = p.add_argument
-        a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
-        a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
-          help="retriever kind (auto: " + ("dense with --encoder, else bm25)" if name == "build" else
-                                           "the index's, else bm25)"))
-        if name != "build":
+        if name == "build":
+            a("--corpus", required=True, help="passages JSONL to index")
+            a("--kind", default="auto", choices=["auto", "bm25", "dense"],
+              help="index kind (auto: dense with --encoder, else bm25; rank_bm25 needs no build: query and serve "
+                   "index the corpus in memory)")
+        else:
+            a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
+            a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
+              help="retriever kind (auto: the index's, else bm25)")
             a("--index", default=None, help="index folder from `build`, or a FAISS file such as Search-R1's "
               "e5_Flat.index")
             a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
@@ -98,7 +97,8 @@ def main(argv=None) -> None:
         if name == "build":
             a("--out", required=True, help="folder to write the index to (rerun to resume a dense build)")
             a("--faiss", default="flat", help="dense: flat | hnsw | ivfpq | a faiss.index_factory string")
-            a("--search_params", default=None, help="dense: faiss search parameters (default efSearch=128 / nprobe=64)")
+            a("--search_params", default=None, help="dense: faiss search parameters (default nprobe=64 for an IVF "
+              "index, efSearch=128 for HNSW, none for flat)")
             a("--query_prefix", default=None, help="dense: text before each query (default: by encoder name)")
             a("--passage_prefix", default=None, help="dense: text before each passage (default: by encoder name)")
             a("--shard_size", type=int, default=50_000, help="dense: passages per saved shard")

@@ -26,6 +26,8 @@ from itertools import chain
 
 import numpy as np
 
+from searchlite.data import write_durably
+
 FILES = {"data": "data.csc.index.npy", "indices": "indices.csc.index.npy", "indptr": "indptr.csc.index.npy"}
 
 
@@ -110,24 +112,42 @@ class BM25Index:
         return top, scores[top]
 
     def save(self, folder) -> None:
-        """Write the arrays, `vocab.index.json` and `params.index.json` (bm25s's layout)."""
+        """Write the arrays, `vocab.index.json` and `params.index.json` (bm25s's layout), each
+        whole or not at all (`write_durably`)."""
         os.makedirs(folder, exist_ok=True)
         for name, path in FILES.items():
-            np.save(os.path.join(folder, path), getattr(self, name))
-        with open(os.path.join(folder, "vocab.index.json"), "w", encoding="utf-8") as f:
-            json.dump(self.vocab, f, ensure_ascii=False)
+            write_durably(os.path.join(folder, path), lambda f: np.save(f, getattr(self, name)))
+        write_durably(os.path.join(folder, "vocab.index.json"),
+                      lambda f: json.dump(self.vocab, f, ensure_ascii=False), "w")
         params = dict(k1=self.k1, b=self.b, delta=0.5, method="lucene", idf_method="lucene", dtype="float32",
                       int_dtype="int32", num_docs=self.num_docs, backend="numpy")
-        with open(os.path.join(folder, "params.index.json"), "w") as f:
-            json.dump(params, f, indent=2)
+        write_durably(os.path.join(folder, "params.index.json"), lambda f: json.dump(params, f, indent=2), "w")
 
     @classmethod
     def load(cls, folder, mmap: bool = True) -> "BM25Index":
-        """Open a saved index; with `mmap` the arrays stay on disk and pages load on use."""
-        arrays = {name: np.load(os.path.join(folder, path), mmap_mode="r" if mmap else None)
-                  for name, path in FILES.items()}
-        with open(os.path.join(folder, "vocab.index.json"), encoding="utf-8") as f:
-            vocab = json.load(f)
-        with open(os.path.join(folder, "params.index.json")) as f:
-            p = json.load(f)
-        return cls(arrays["data"], arrays["indices"], arrays["indptr"], vocab, p["num_docs"], p["k1"], p["b"])
+        """Open a saved index; with `mmap` the arrays stay on disk and pages load on use. A file
+        that does not read, or arrays that do not fit the vocabulary (files from two builds),
+        raise ValueError naming the file or the folder."""
+        def read(name, load):
+            path = os.path.join(folder, name)
+            try:
+                return load(path)
+            except (OSError, ValueError, EOFError) as e:  # a JSONDecodeError is a ValueError
+                raise ValueError(f"{path}: not a readable BM25 index file ({e}); rebuild the index") from None
+
+        def read_array(path):
+            return np.load(path, mmap_mode="r" if mmap else None)
+
+        def read_json(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+
+        a = {name: read(path, read_array) for name, path in FILES.items()}
+        vocab, p = read("vocab.index.json", read_json), read("params.index.json", read_json)
+        # CSC: term t's postings are data/indices[indptr[t]:indptr[t + 1]], so the sizes must agree
+        if (len(a["indptr"]) != len(vocab) + 1 or a["indptr"][-1] != len(a["data"])
+                or len(a["data"]) != len(a["indices"])):
+            raise ValueError(f"{folder}: the BM25 index files do not fit together ({len(vocab)} terms in "
+                             f"vocab.index.json, {len(a['indptr'])} offsets in {FILES['indptr']}, {len(a['data'])} "
+                             f"weights, {len(a['indices'])} passage indices): files of two builds? Rebuild the index")
+        return cls(a["data"], a["indices"], a["indptr"], vocab, p["num_docs"], p["k1"], p["b"])

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import numpy as np
 
-from searchlite.data import DataError, Passage, parse_object, passage_from_object, read_corpus
+from searchlite.data import DataError, Passage, parse_object, passage_from_object, read_corpus, write_durably
 
 _CHUNK = 1 << 26  # bytes read per step of the line scan
 _SHORT = 16  # lines up to this many bytes are checked for being blank (longer ones never are in practice)
@@ -69,14 +70,24 @@ class Corpus:
         cached = self._read_cache(offsets)
         self.starts, self.blank_at = cached if cached else scan_lines(self.path, progress)
         if offsets is not None and not cached:
-            np.savez(offsets, starts=self.starts, blank_at=self.blank_at, stamp=np.asarray(self.stamp))
+            self.save_offsets(offsets)
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def _read_cache(self, offsets):
-        if offsets is None or not os.path.exists(offsets):
+        """The cached line scan, or None when it is missing, made for another version of the
+        file, or unreadable (a cache is never worth failing for: the file is scanned again)."""
+        if offsets is None:
             return None
-        with np.load(offsets) as z:
-            return (z["starts"], z["blank_at"]) if z["stamp"].tolist() == self.stamp else None
+        try:
+            with np.load(offsets) as z:
+                return (z["starts"], z["blank_at"]) if z["stamp"].tolist() == self.stamp else None
+        except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError):
+            return None
+
+    def save_offsets(self, path) -> None:
+        """Write the line scan as an `offsets` cache for this version of the file."""
+        write_durably(path, lambda f: np.savez(f, starts=self.starts, blank_at=self.blank_at,
+                                               stamp=np.asarray(self.stamp)))
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -100,7 +111,20 @@ class Corpus:
             raise IndexError(f"passage {i} out of range for {self.path} ({n} passages)")
         i = int(i) % n
         a, b = int(self.starts[i]), int(self.starts[i + 1])
-        return self._parse(i, os.pread(self._fd, b - a, a))
+        return self._parse(i, self._read(a, b))
+
+    def _read(self, a: int, b: int) -> bytes:
+        """Bytes a..b of the file. One os.pread returns at most 2,147,479,552 bytes on Linux (and
+        POSIX lets any read return less), so a batch over 2 GiB takes several."""
+        parts = []
+        while a < b:
+            part = os.pread(self._fd, b - a, a)
+            if not part:
+                raise DataError(f"{self.path}: the file ends at byte {a}, short of the {b} its line scan found; "
+                                "it changed after it was opened: open it again")
+            parts.append(part)
+            a += len(part)
+        return b"".join(parts)  # one part: returned as is, no copy
 
     def batches(self, size: int, start: int = 0):
         """Yield (index of the first passage, list of Passage) for consecutive batches, in
@@ -108,7 +132,7 @@ class Corpus:
         for s in range(start, len(self), size):
             e = min(s + size, len(self))
             base = int(self.starts[s])
-            data = os.pread(self._fd, int(self.starts[e]) - base, base)
+            data = self._read(base, int(self.starts[e]))
             yield s, [self._parse(i, data[int(self.starts[i]) - base:int(self.starts[i + 1]) - base]) for i in range(s, e)]
 
     def __iter__(self):

@@ -219,6 +219,16 @@ def replace_durably(tmp, path) -> None:
     _fsync(path.parent)
 
 
+def write_durably(path, write, mode: str = "wb") -> None:
+    """Write `path` by calling `write(f)` on `path.tmp`, then `replace_durably`: a crash or a
+    Ctrl-C leaves the old file or the new one, never a half-written one that fails to parse
+    (index folders write every file this way)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        write(f)
+    replace_durably(tmp, path)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)  # a folder too: its entries
     try:

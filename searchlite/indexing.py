@@ -6,7 +6,9 @@
 
 Memory follows the index, not the corpus: the corpus is read in batches through a lazy
 `Corpus` (its line offsets cached in the folder as `corpus_offsets.npz`). A folder is
-finished when its `bm25.json` or `dense.json` exists; it is written last.
+finished when its `bm25.json` or `dense.json` exists; a build deletes both first and writes
+its own last, every file whole (renamed into place), so a build cut short leaves a folder
+that refuses to load. A folder holds one kind: a build refuses one with the other kind's files.
 
 Dense builds encode the corpus in shards of `shard_size` passages, each written whole to
 `shards/` and renamed into place, beside a `shards/manifest.json` of the settings. Run the
@@ -16,8 +18,9 @@ vectors (cosine): "flat" is exact (Search-R1's e5_Flat; 4·dim bytes a passage),
 graph (HNSW32: faster, approximate, flat's size plus ~256 bytes a passage), "ivfpq" an
 inverted file with product quantisation (dim/8 bytes a passage, 1/32 of flat, lossy; trained
 on up to 100k sampled vectors, so it needs 10k passages); any faiss.index_factory string
-also works. The shards are
-deleted once the index is written, unless `keep_shards`.
+also works. Search favours recall: nprobe=64 for an IVF index, efSearch=128 for HNSW, unless
+`search_params` says otherwise. The shards are deleted once the index is written, unless
+`keep_shards`.
 """
 
 from __future__ import annotations
@@ -29,21 +32,26 @@ import shutil
 import numpy as np
 
 from searchlite.corpus import Corpus
-from searchlite.data import replace_durably
-from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, default_prefixes
+from searchlite.data import DataError, replace_durably, write_durably
+from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, begin_index_folder, default_prefixes
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
-SEARCH_PARAMS = {"hnsw": "efSearch=128", "ivfpq": "nprobe=64"}  # recall over speed; change with search_params
+TRAIN_LIMIT = 100_000  # vectors sampled to train a quantizer: k-means time and memory grow with them
 
 
-def _corpus(path, folder) -> Corpus:
-    os.makedirs(folder, exist_ok=True)
-    return Corpus(path, offsets=os.path.join(folder, "corpus_offsets.npz"))
+def _corpus(path, folder, kind: str) -> Corpus:
+    """Open the corpus for a `kind` build into `folder`, which is begun first
+    (`begin_index_folder`): a folder of the other kind is refused before a long scan."""
+    begin_index_folder(folder, kind)
+    corpus = Corpus(path, offsets=os.path.join(folder, "corpus_offsets.npz"))
+    if not len(corpus):
+        raise DataError(f"{path}: no passages to index (the file is empty or holds only blank lines)")
+    return corpus
 
 
 def build_bm25_folder(corpus_path, folder, progress: bool = True) -> BM25Retriever:
     """Index a corpus file with BM25 and save it to `folder`."""
-    r = BM25Retriever(_corpus(corpus_path, folder), progress=progress)
+    r = BM25Retriever(_corpus(corpus_path, folder, "bm25"), progress=progress)
     r.save(folder)
     return r
 
@@ -52,7 +60,7 @@ def faiss_factory(kind: str, dim: int, n: int) -> str:
     """The faiss.index_factory string for a kind name (other strings pass through).
 
     >>> faiss_factory("ivfpq", 768, 21_000_000)
-    'IVF18330,PQ96'
+    'IVF2564,PQ96'
     """
     if kind == "flat":
         return "Flat"
@@ -62,10 +70,25 @@ def faiss_factory(kind: str, dim: int, n: int) -> str:
         if n < 10_000:
             raise ValueError(f"faiss 'ivfpq' needs at least 10,000 passages to train, the corpus has {n}; "
                              "use 'flat' or 'hnsw'")
-        nlist = int(min(4 * np.sqrt(n), n // 39))  # faiss wants >= 39 training points per list
+        # faiss wants >= 39 training points per list, and the lists are trained on the sample, not on
+        # all n vectors, so nlist follows the sample: wiki-18 gets 2,564 lists, not 4·sqrt(n) = 18,330,
+        # which would need a 715k-vector sample (2.2 GB at 768 dims) and ~50x the k-means work.
+        nlist = int(min(4 * np.sqrt(n), len(range(0, n, _train_step(n))) // 39))
         m = max(d for d in range(1, dim // 8 + 1) if dim % d == 0)  # 8-dim sub-vectors, 1 byte each
         return f"IVF{nlist},PQ{m}"
     return kind
+
+
+def default_search_params(factory: str) -> str:
+    """Search parameters that favour recall over speed, by the factory string's structure: an
+    inverted file probes 64 lists (faiss caps that at nlist), an HNSW graph keeps 128 candidates.
+
+    >>> default_search_params("IVF8,Flat"), default_search_params("HNSW32,Flat"), default_search_params("Flat")
+    ('nprobe=64', 'efSearch=128', '')
+    """
+    if "IVF" in factory:
+        return "nprobe=64"
+    return "efSearch=128" if "HNSW" in factory else ""
 
 
 def _shard_paths(folder, n: int, shard_size: int) -> list[str]:
@@ -84,22 +107,21 @@ def _check_manifest(folder, manifest: dict) -> None:
                              f"use another --out or delete {folder}/shards")
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=2)
+    write_durably(path, lambda f: json.dump(manifest, f, indent=2), "w")
 
 
 def encode_shards(corpus: Corpus, folder, enc: TextEncoder, prefix: str, shard_size: int,
                   progress: bool = True) -> list[str]:
-    """Encode every missing shard; return all shard paths, in order."""
+    """Encode every missing shard; return all shard paths, in order. Only the missing shards'
+    passages are read: a resumed wiki-18 build does not parse 13 GB again to skip them."""
     from tqdm.auto import tqdm
 
     paths = _shard_paths(folder, len(corpus), shard_size)
-    done = sum(shard_size if i < len(paths) - 1 else len(corpus) - i * shard_size
-               for i, p in enumerate(paths) if os.path.exists(p))
+    missing = [(i * shard_size, p) for i, p in enumerate(paths) if not os.path.exists(p)]
+    done = len(corpus) - sum(min(shard_size, len(corpus) - start) for start, _ in missing)
     with tqdm(total=len(corpus), initial=done, unit="passage", desc="encoding passages", disable=not progress) as bar:
-        for (start, chunk), path in zip(corpus.batches(shard_size), paths):
-            if os.path.exists(path):
-                continue
+        for start, path in missing:
+            _, chunk = next(corpus.batches(shard_size, start))
             emb = enc.encode([p.contents for p in chunk], prefix, bar=bar)  # (shard, H)
             with open(path + ".tmp", "wb") as f:
                 np.save(f, emb)
@@ -107,14 +129,19 @@ def encode_shards(corpus: Corpus, folder, enc: TextEncoder, prefix: str, shard_s
     return paths
 
 
-def _training_sample(paths: list[str], n: int, limit: int = 100_000):
-    step = max(1, -(-n // limit))  # every step-th vector over the whole corpus
+def _train_step(n: int) -> int:
+    """Train on every step-th of n vectors: at most TRAIN_LIMIT of them, spread over the corpus."""
+    return max(1, -(-n // TRAIN_LIMIT))
+
+
+def _training_sample(paths: list[str], n: int):
+    step = _train_step(n)
     parts, offset = [], 0
     for p in paths:
         x = np.load(p, mmap_mode="r")  # (shard, H)
         parts.append(np.asarray(x[(-offset) % step::step]))
         offset += len(x)
-    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)  # (~n/step, H)
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)  # (ceil(n/step), H)
 
 
 def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mean", query_prefix=None,
@@ -124,23 +151,25 @@ def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mea
     """Encode a corpus file (resumably, in shards) into a FAISS index saved to `folder`."""
     import faiss
 
-    corpus = _corpus(corpus_path, folder)
+    corpus = _corpus(corpus_path, folder, "dense")
     enc = TextEncoder(encoder, pooling, batch_size, max_length, device)
     dq, dp = default_prefixes(encoder)
     query_prefix = dq if query_prefix is None else query_prefix
     passage_prefix = dp if passage_prefix is None else passage_prefix
     _check_manifest(folder, dict(encoder=str(encoder), pooling=pooling, passage_prefix=passage_prefix,
                                  max_length=max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
-                                 corpus_bytes=corpus.stamp[0], num_passages=len(corpus)))
+                                 corpus_bytes=corpus.stamp[0], corpus_mtime_ns=corpus.stamp[1],
+                                 num_passages=len(corpus)))
     paths = encode_shards(corpus, folder, enc, passage_prefix, shard_size, progress)
     dim = np.load(paths[0], mmap_mode="r").shape[1]
-    index = faiss.index_factory(dim, faiss_factory(faiss_index, dim, len(corpus)), faiss.METRIC_INNER_PRODUCT)
+    factory = faiss_factory(faiss_index, dim, len(corpus))
+    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         index.train(_training_sample(paths, len(corpus)))
     for p in paths:
         index.add(np.ascontiguousarray(np.load(p), dtype=np.float32))
     if search_params is None:
-        search_params = SEARCH_PARAMS.get(faiss_index, "")
+        search_params = default_search_params(factory)
     r = DenseRetriever(corpus, enc, query_prefix=query_prefix, passage_prefix=passage_prefix, index=index,
                        search_params=search_params)
     r.save(folder)

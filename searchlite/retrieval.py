@@ -30,8 +30,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from searchlite.bm25 import FILES as BM25_FILES
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
-from searchlite.data import split_contents
+from searchlite.data import replace_durably, split_contents, write_durably
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
 HTTP_QUERY_CHARS = 4096  # the longest query searchlite's server takes (server.make_app); Search-R1's takes any
@@ -78,14 +79,35 @@ def _hits(passages, idx, scores) -> list[Hit]:
 def _corpus_record(folder, passages) -> dict:
     """What an index folder notes about its corpus: size and an id fingerprint, and for a
     file-backed corpus its path, with its line offsets cached beside the index."""
-    import numpy as np
-
     rec = dict(num_passages=len(passages), ids_sample_sha1=sample_ids_digest(passages), corpus=None)
     if isinstance(passages, Corpus):
         rec["corpus"] = os.path.abspath(passages.path)
-        np.savez(os.path.join(folder, "corpus_offsets.npz"), starts=passages.starts, blank_at=passages.blank_at,
-                 stamp=np.asarray(passages.stamp))
+        passages.save_offsets(os.path.join(folder, "corpus_offsets.npz"))
     return rec
+
+
+# What each kind of index folder holds; `{kind}.json`, written last, marks it finished.
+KIND_FILES = {"bm25": ("bm25.json", *BM25_FILES.values(), "vocab.index.json", "params.index.json"),
+              "dense": ("dense.json", "index.faiss", "shards")}
+
+
+def begin_index_folder(folder, kind: str) -> None:
+    """Ready `folder` to be written a `kind` index: refuse it if it holds another kind's files
+    (a folder holds one index, so it never loads as the wrong kind), then delete the finished
+    markers, so that a rebuild cut short is unfinished, never old settings over new files."""
+    other = next(k for k in KIND_FILES if k != kind)
+    found = [name for name in KIND_FILES[other] if os.path.exists(os.path.join(folder, name))]
+    if found:
+        raise ValueError(f"{folder} holds files of a {other} index ({', '.join(found)}); write the {kind} index "
+                         "to another folder, or delete those files first")
+    os.makedirs(folder, exist_ok=True)
+    for k in KIND_FILES:
+        if os.path.exists(marker := os.path.join(folder, f"{k}.json")):
+            os.remove(marker)  # on disk by the next replace_durably here, which syncs the folder
+
+
+def _write_settings(folder, settings: dict) -> None:
+    write_durably(os.path.join(folder, f"{settings['kind']}.json"), lambda f: json.dump(settings, f, indent=2), "w")
 
 
 def _check_corpus(folder, settings: dict, passages) -> None:
@@ -147,10 +169,9 @@ class BM25Retriever(Retriever):
         """Write the index (bm25s's files) and `bm25.json`, last: a folder without it is unfinished."""
         if self.backend != "bm25s":
             raise ValueError("only the 'bm25s' backend saves an index")
+        begin_index_folder(folder, "bm25")
         self.index.save(folder)
-        settings = dict(kind="bm25", **_corpus_record(folder, self.passages))
-        with open(os.path.join(folder, "bm25.json"), "w") as f:
-            json.dump(settings, f, indent=2)
+        _write_settings(folder, dict(kind="bm25", **_corpus_record(folder, self.passages)))
 
     @classmethod
     def load(cls, folder, passages) -> "BM25Retriever":
@@ -302,11 +323,11 @@ class DenseRetriever(Retriever):
         """Write `index.faiss`, then `dense.json` (encoder, pooling, prefixes, corpus check)."""
         import faiss
 
-        os.makedirs(folder, exist_ok=True)
-        faiss.write_index(self.index, os.path.join(folder, "index.faiss"))
-        settings = {**self.settings(), **_corpus_record(folder, self.passages)}
-        with open(os.path.join(folder, "dense.json"), "w") as f:
-            json.dump(settings, f, indent=2)
+        begin_index_folder(folder, "dense")
+        path = os.path.join(folder, "index.faiss")
+        faiss.write_index(self.index, path + ".tmp")
+        replace_durably(path + ".tmp", path)
+        _write_settings(folder, {**self.settings(), **_corpus_record(folder, self.passages)})
 
     @classmethod
     def load(cls, folder, passages, **overrides) -> "DenseRetriever":
@@ -396,10 +417,10 @@ KINDS = ("bm25", "rank_bm25", "dense", "http")
 
 def index_kind(folder) -> str | None:
     """"bm25" or "dense" for a finished index folder, else None."""
-    for kind in ("bm25", "dense"):
-        if os.path.isfile(os.path.join(folder, f"{kind}.json")):
-            return kind
-    return None
+    found = [kind for kind in KIND_FILES if os.path.isfile(os.path.join(folder, f"{kind}.json"))]
+    if len(found) > 1:  # only a folder written before begin_index_folder can be both
+        raise ValueError(f"{folder} holds both bm25.json and dense.json; rebuild it into an empty folder")
+    return found[0] if found else None
 
 
 def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:

@@ -4,6 +4,7 @@ faiss file loaded as they are, and the HTTP server (Search-R1 round trip, valida
 batching, a 32-client load test, schemathesis fuzzing against its own OpenAPI schema)."""
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -20,8 +21,8 @@ from conftest import save_bag_of_words_bert
 from searchlite.bm25 import tokenize
 from searchlite.config import TOY_DIR
 from searchlite.corpus import Corpus
-from searchlite.data import DataError, Passage, read_corpus
-from searchlite.indexing import build_bm25_folder, build_dense_folder, faiss_factory
+from searchlite.data import DataError, Passage, passage_to_dict, read_corpus, write_jsonl
+from searchlite.indexing import build_bm25_folder, build_dense_folder, encode_shards, faiss_factory
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, TextEncoder, build_retriever,
                                   load_index)
 
@@ -66,6 +67,47 @@ def test_corpus_offsets_cache_follows_the_file(tmp_path):
     assert Corpus(p, offsets=cache)[2].id == "3"  # the file changed: scanned again
 
 
+def test_corpus_offsets_cache_is_written_whole_and_an_unreadable_one_rescanned(tmp_path, monkeypatch):
+    """A write cut short used to leave a broken zip that every later open failed on
+    (zipfile.BadZipFile, naming no file)."""
+    p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
+    p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n')
+    real = np.savez
+
+    def cut_short(file, **arrays):  # the bytes are out, the write is not finished
+        real(file, **arrays)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        Corpus(p, offsets=cache)
+    assert not cache.exists()  # never a cache that is not whole
+    monkeypatch.undo()
+    Corpus(p, offsets=cache)
+    whole = cache.read_bytes()
+    np.savez(tmp_path / "other.npz", starts=np.zeros(3, np.int64))
+    for broken in (whole[:len(whole) // 2], b"", b"not a zip", (tmp_path / "other.npz").read_bytes()):
+        cache.write_bytes(broken)  # BadZipFile, EOFError, ValueError, KeyError
+        assert Corpus(p, offsets=cache)[1].id == "2"  # scanned again...
+        assert cache.read_bytes() == whole  # ...and the cache rewritten
+
+
+def test_corpus_reads_all_bytes_of_a_batch(tmp_path, monkeypatch, toy_passages):
+    """os.pread returns at most 2,147,479,552 bytes on Linux: a batch over 2 GiB got short data,
+    reported as cut-off JSON."""
+    c, real = Corpus(TOY), os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real(fd, min(n, 1000), offset))  # short reads
+    assert [p for _, b in c.batches(200) for p in b] == toy_passages and c[3] == toy_passages[3]
+    monkeypatch.undo()
+    p = tmp_path / "c.jsonl"
+    shutil.copy(TOY, p)
+    c = Corpus(p)
+    with open(p, "r+b") as f:
+        f.truncate(1000)  # the file shrinks after its lines were scanned
+    with pytest.raises(DataError, match=re.escape(f"{p}: the file ends at byte 1000")):
+        list(c.batches(200))
+
+
 # ---------------------------------------------------------------------------- BM25
 
 
@@ -102,6 +144,83 @@ def test_bm25_folder_round_trip_and_corpus_check(tmp_path, toy_passages):
         load_index(tmp_path / "bm25", kind="dense")
     with pytest.raises(FileNotFoundError, match="not a finished index folder"):
         load_index(tmp_path)
+
+
+@pytest.mark.parametrize("cut", ["before_vocab", "during_vocab"])
+def test_bm25_rebuild_cut_short_is_an_unfinished_folder(tmp_path, monkeypatch, toy_passages, cut):
+    """A rebuild over a finished folder (same ids, new texts) cut short used to load with the old
+    bm25.json: new arrays over the old vocabulary (wrong passages) or an empty vocabulary file
+    (a bare JSONDecodeError)."""
+    import builtins
+
+    corpus, folder = tmp_path / "c.jsonl", tmp_path / "i"
+    shutil.copy(TOY, corpus)
+    build_bm25_folder(corpus, folder, progress=False)
+    texts = [p.text for p in toy_passages[1:] + toy_passages[:1]]
+    write_jsonl(corpus, [passage_to_dict(Passage(p.id, p.title, t)) for p, t in zip(toy_passages, texts)])
+    real_open = builtins.open
+
+    def open_then_interrupt(file, mode="r", *args, **kw):
+        if os.path.basename(file).startswith("vocab.index.json") and "w" in mode:
+            if cut == "during_vocab":
+                real_open(file, mode, *args, **kw).close()  # opened (and truncated), nothing written
+            raise KeyboardInterrupt
+        return real_open(file, mode, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        build_bm25_folder(corpus, folder, progress=False)
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="not a finished index folder"):
+        load_index(folder)
+    build_bm25_folder(corpus, folder, progress=False)
+    assert load_index(folder).search(QUERIES, 3) == BM25Retriever(read_corpus(corpus)).search(QUERIES, 3)
+
+
+def test_damaged_bm25_files_are_named(tmp_path):
+    folder = tmp_path / "i"
+    build_bm25_folder(TOY, folder, progress=False)
+    vocab_file, data_file = folder / "vocab.index.json", folder / "data.csc.index.npy"
+    vocab, data = vocab_file.read_text(), data_file.read_bytes()
+    vocab_file.write_text(json.dumps(dict(list(json.loads(vocab).items())[:-1])))  # files of two builds
+    with pytest.raises(ValueError, match=re.escape(f"{folder}: the BM25 index files do not fit together")):
+        load_index(folder)
+    vocab_file.write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"{vocab_file}: not a readable BM25 index file")):
+        load_index(folder)
+    vocab_file.write_text(vocab)
+    data_file.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{data_file}: not a readable BM25 index file")):
+        load_index(folder)
+
+
+def test_a_folder_holds_one_kind_of_index(tmp_path, encoder):
+    """A dense build into a BM25 folder used to succeed, and the folder then loaded as BM25."""
+    build_bm25_folder(TOY, tmp_path / "i", progress=False)
+    with pytest.raises(ValueError, match=re.escape("holds files of a bm25 index (bm25.json, data.csc.index.npy")):
+        build_dense_folder(TOY, tmp_path / "i", encoder, max_length=48, progress=False)
+    assert isinstance(load_index(tmp_path / "i"), BM25Retriever)  # refused before anything changed
+    (tmp_path / "d" / "shards").mkdir(parents=True)  # a dense build's encodings, kept
+    with pytest.raises(ValueError, match=re.escape("holds files of a dense index (shards)")):
+        build_bm25_folder(TOY, tmp_path / "d", progress=False)
+    (tmp_path / "i" / "dense.json").write_text("{}")  # as an older searchlite could leave it
+    with pytest.raises(ValueError, match="holds both bm25.json and dense.json"):
+        load_index(tmp_path / "i")
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_build_over_an_empty_corpus_names_the_file(tmp_path, encoder, text):
+    import retrieve
+
+    p = tmp_path / "empty.jsonl"
+    p.write_text(text)
+    message = re.escape(f"{p}: no passages to index")
+    with pytest.raises(DataError, match=message):
+        build_bm25_folder(p, tmp_path / "b", progress=False)
+    with pytest.raises(DataError, match=message):
+        build_dense_folder(p, tmp_path / "d", encoder, progress=False)
+    with pytest.raises(SystemExit, match="error: " + message):
+        retrieve.main(["build", "--corpus", str(p), "--kind", "dense", "--encoder", encoder, "--out", str(tmp_path / "d")])
 
 
 # ---------------------------------------------------------------------------- dense
@@ -146,6 +265,38 @@ def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monke
     assert [[h.id for h in hs] for hs in loaded.search(QUERIES, 3)] == [[h.id for h in hs] for hs in full.search(QUERIES, 3)]
 
 
+def test_resumed_encoding_reads_only_the_missing_shards(tmp_path, monkeypatch):
+    """A resume used to read and parse every passage to skip the shards it had (13 GB for wiki-18)."""
+    class ZeroEncoder:
+        def encode(self, texts, prefix="", bar=None):
+            return np.zeros((len(texts), 2), np.float32)  # (n, 2)
+
+    corpus, read, real = Corpus(TOY), [], Corpus._parse
+    monkeypatch.setattr(Corpus, "_parse", lambda self, i, raw: read.append(i) or real(self, i, raw))
+    (tmp_path / "shards").mkdir()
+    paths = encode_shards(corpus, tmp_path, ZeroEncoder(), "", 100, progress=False)
+    assert read == list(range(450)) and len(paths) == 5
+    os.remove(paths[2])
+    os.remove(paths[4])
+    read.clear()
+    encode_shards(corpus, tmp_path, ZeroEncoder(), "", 100, progress=False)
+    assert read == list(range(200, 300)) + list(range(400, 450))
+
+
+def test_shards_of_a_corpus_edited_in_place_are_refused(tmp_path, encoder):
+    """Shards were matched to the corpus by its size alone: an edit that kept the size reused them."""
+    corpus, out = tmp_path / "c.jsonl", tmp_path / "e5"
+    shutil.copy(TOY, corpus)
+    build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
+    data, st = bytearray(corpus.read_bytes()), os.stat(corpus)
+    data[data.index(b"\\n") + 2] ^= 0x20  # the case of the first passage's first letter
+    corpus.write_bytes(data)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later edit, whatever the clock's grain
+    assert os.path.getsize(corpus) == st.st_size
+    with pytest.raises(ValueError, match=r"corpus_mtime_ns differ"):
+        build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
+
+
 def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
     r = build_dense_folder(TOY, tmp_path / "hnsw", encoder, faiss_index="hnsw", max_length=48, progress=False)
     assert json.loads((tmp_path / "hnsw" / "dense.json").read_text())["search_params"] == "efSearch=128"
@@ -155,6 +306,25 @@ def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
     assert faiss_factory("ivfpq", 384, 14_171) == "IVF363,PQ48" and faiss_factory("IVF64,Flat", 8, 10) == "IVF64,Flat"
     with pytest.raises(ValueError, match="at least 10,000 passages"):
         faiss_factory("ivfpq", 384, 450)
+
+
+def test_ivfpq_lists_fit_the_training_sample():
+    """faiss wants >= 39 training vectors per list, and the lists train on a sample of every
+    ceil(n / 100k)-th vector, not on all n: wiki-18's 18,330 lists got ~5 vectors each."""
+    sample = {10_000: 10_000, 14_171: 14_171, 150_000: 75_000, 21_000_000: 100_000}  # hand-derived
+    for n, trained_on in sample.items():
+        nlist = int(re.match(r"IVF(\d+),PQ", faiss_factory("ivfpq", 768, n))[1])
+        assert 39 * nlist <= trained_on
+    assert faiss_factory("ivfpq", 768, 21_000_000) == "IVF2564,PQ96"
+
+
+def test_search_params_default_follows_the_factory_string(tmp_path, encoder):
+    """An IVF index named by its factory string used to get nprobe 1, not the documented 64."""
+    import faiss
+
+    build_dense_folder(TOY, tmp_path / "ivf", encoder, faiss_index="IVF8,Flat", max_length=48, progress=False)
+    assert json.loads((tmp_path / "ivf" / "dense.json").read_text())["search_params"] == "nprobe=64"
+    assert faiss.extract_index_ivf(load_index(tmp_path / "ivf").index).nprobe == 64
 
 
 def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_passages):
@@ -211,6 +381,22 @@ def test_cli_build_and_query(tmp_path, capsys, toy_passages):
     for argv in (["build", *missing, "--out", str(tmp_path / "n")], ["query", *missing, "q"]):
         with pytest.raises(SystemExit, match="--corpus nowhere.jsonl: no such file"):
             retrieve.main(argv)
+
+
+def test_cli_build_help_describes_build(capsys):
+    """build's help used to offer the query flags' defaults (a toy corpus) and kinds (rank_bm25)."""
+    import retrieve
+
+    with pytest.raises(SystemExit):
+        retrieve.main(["build", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "toy world" not in out and "--kind {auto,bm25,dense}" in out and "nprobe=64 for an IVF" in out
+    for argv, error in ((["build", "--out", "x"], "required: --corpus"),
+                        (["build", "--corpus", "toy/corpus.jsonl", "--kind", "rank_bm25", "--out", "x"],
+                         "invalid choice: 'rank_bm25'")):
+        with pytest.raises(SystemExit):
+            retrieve.main(argv)
+        assert error in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- server
