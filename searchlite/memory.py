@@ -55,6 +55,10 @@ def check_levers(cfg) -> None:
         raise ConfigError(f"--lora_rank must be >= 0 (0 = no LoRA), got {cfg.lora_rank}")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora_rank needs peft: pip install peft (pip install -e '.[lora]')")
+    if cfg.lora_rank and (Path(resolve_path(cfg.model)) / "adapter_config.json").is_file():
+        # a second adapter over a merged first one: its files would name the bare base and lose the first
+        raise ConfigError(f"--model {cfg.model} is a LoRA adapter; to train a new adapter on it, merge it first "
+                          f"(python -m searchlite.memory merge {cfg.model} --out DIR) and pass --model DIR")
     if cfg.lora_rank and cfg.ref_offload:
         raise ConfigError("--ref_offload with --lora_rank: the LoRA reference is the policy itself with its "
                           "adapters disabled, there is no separate reference to offload; drop one of the two")
@@ -145,6 +149,13 @@ def add_lora(model, rank: int, alpha: float, targets: str, adapter: str | Path |
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
         raise ConfigError("--lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
+    if names != "all-linear":  # peft adapts what matches and drops a misspelt name without a word
+        modules = [n for n, _ in model.named_modules()]
+        missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"--lora_targets: no module of the model is named {', '.join(map(repr, missing))} "
+                              f"(its linear layers: {', '.join(linear)})")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
@@ -182,7 +193,8 @@ def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
         raise OSError(f"{adapter_dir} is a LoRA adapter whose base model {base!r} cannot be loaded "
                       f"({str(e).splitlines()[0]}); pass the base with `python -m searchlite.memory merge "
                       f"{adapter_dir} --base PATH --out DIR`") from None
-    return _peft().PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged = _peft().PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return merged.requires_grad_(True)  # peft froze the base for inference; a plain model trains in full
 
 
 # ---------------------------------------------------------------------------- reference offload

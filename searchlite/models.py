@@ -121,7 +121,12 @@ class Critic(nn.Module):
     def from_pretrained(cls, path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
         from transformers import AutoModel
 
-        backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[dtype])
+        if (Path(resolve_path(path)) / "adapter_config.json").is_file():  # a LoRA run's checkpoint
+            from .memory import load_merged  # the adapter merged in: AutoModel would attach it and freeze the rest
+
+            backbone = load_merged(resolve_path(path), DTYPES[dtype]).base_model
+        else:
+            backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[dtype])
         if grad_checkpointing:
             backbone.gradient_checkpointing_enable()
         critic = cls(backbone)

@@ -93,6 +93,7 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
 
     assert evaluate.resolve_model(str(out)) == ("hf", str(policy_dir))  # evaluate.py --model RUN finds the adapter
     merged = load_policy(str(policy_dir))  # base + adapter merged: what evaluate.py loads
+    assert all(p.requires_grad for p in merged.parameters())  # and what a full-weight run trains, all of it
     base = load_policy(tiny_model)
     assert (logprobs(merged) - logprobs(base)).abs().max() > 0
     with pytest.raises(SystemExit, match="holds a LoRA adapter"):  # resuming it as a full-weight run
@@ -103,6 +104,21 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
     assert torch.equal(logprobs(load_policy(str(tmp_path / "merged"))), logprobs(merged))
     with pytest.raises(SystemExit, match=f"{tiny_model} holds full weights, not a LoRA adapter"):
         merge_cli(["merge", tiny_model, "--out", str(tmp_path / "not")])
+    with pytest.raises(ConfigError, match="is a LoRA adapter; to train a new adapter on it, merge it first"):
+        check_levers(Config(model=str(policy_dir), lora_rank=4))  # a second adapter would name the bare base
+    from searchlite.models import Critic  # a PPO critic started from the adapter: the merged model, all trained
+
+    critic = Critic.from_pretrained(str(policy_dir))
+    assert all(p.requires_grad for p in critic.parameters())
+    with torch.no_grad():
+        hidden = critic.backbone(input_ids=IDS).last_hidden_state
+        torch.testing.assert_close(hidden, merged.base_model(input_ids=IDS).last_hidden_state, atol=0, rtol=0)
+
+
+def test_a_misspelt_lora_target_is_named(tiny_llama):
+    with pytest.raises(ConfigError, match=r"no module of the model is named 'v_prj' \(its linear layers: down_proj"):
+        add_lora(tiny_llama, rank=4, alpha=8.0, targets="q_proj,v_prj")
+    assert add_lora(tiny_llama, rank=4, alpha=8.0, targets="self_attn.q_proj") is not None  # a dotted suffix
 
 
 # ---------------------------------------------------------------------------- AdamW8bit
