@@ -90,6 +90,25 @@ def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
     return [qa[epoch_order(len(qa), seed, k // len(qa))[k % len(qa)]] for k in ks]
 
 
+# Settings a resumed run must share with its checkpoint: the optimizer, schedule and LoRA adapter
+# restored from it keep their own, and the data order follows the seed, so a change would be ignored.
+RESUME_FIXED = ("algo", "seed", "optimizer", "lr", "critic_lr", "weight_decay", "warmup_steps", "critic_warmup_steps",
+                "lora_alpha", "lora_targets")
+
+
+def check_resume(cfg) -> None:
+    """A ConfigError if --resume would continue a checkpoint trained with other RESUME_FIXED settings."""
+    ckpt = find_checkpoint(cfg.out_dir) if cfg.resume else None
+    if ckpt is None:
+        return
+    saved = load_trainer_state(ckpt, mmap=True)["config"]
+    changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in RESUME_FIXED
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule and "
+                          "adapter keep the checkpoint's, so resume with those settings, or start a new --out_dir")
+
+
 def compute_rewards(ro, questions) -> torch.Tensor:
     """Search-R1's outcome reward: exact match of the final answer, nothing for format. (N,)"""
     return torch.tensor([exact_match(a, q.answers) for a, q in zip(ro.answers, questions)])
@@ -176,6 +195,7 @@ def main(argv=None) -> None:
         cfg = parse_args(argv)
         check_config(cfg)  # choices, counts, files and prompts, before anything is loaded
         check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
+        check_resume(cfg)  # --resume with a setting that the checkpoint's own would override
     except ConfigError as e:
         sys.exit(f"error: {e}")
     out = Path(cfg.out_dir)

@@ -245,5 +245,6 @@ def find_checkpoint(out_dir) -> Path | None:
     return None
 
 
-def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=False)
+def load_trainer_state(ckpt: Path, mmap: bool = False) -> dict:
+    """The checkpoint's trainer.pt; `mmap`: tensors stay on disk until read (a glance at its config)."""
+    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=False, mmap=mmap)

@@ -117,6 +117,17 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
 
 
+def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_path, varied_reward):
+    """The restored optimizer and schedule keep the checkpoint's learning rate: a resume with
+    another --lr (or seed, weight decay, ...) is refused, naming it, before any model loads."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    with pytest.raises(SystemExit, match=r"was trained with lr = 0.01, this run has 0.001; its optimizer"):
+        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--lr", "1e-3"]))
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--kl_coef", "0.01"]))  # this one applies
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
+
+
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
     """The first SIGTERM only sets `requested`; a second one stops at once; leaving the block puts
     the previous handlers back, even when it raises; then the exit status is 128 + 15."""
