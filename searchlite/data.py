@@ -14,8 +14,9 @@ Both readers skip blank lines and nothing else: any other bad line raises `DataE
 the file, the 1-based line number and what is wrong. An `id` may be an integer in the file (it
 becomes a string); a missing `id` becomes the 0-based line index, `str(line_no - 1)`. Answers
 must be non-empty strings: an empty gold answer would match an empty prediction. Files ending
-in `.gz` are read and written gzipped. `append_log` / `read_log` keep an append-only JSONL log
-that survives an interrupt (evaluate.py's records, stage 1's sampling). Corpora too large to
+in `.gz` are read and written gzipped; one cut off or damaged raises `DataError` too.
+`append_log` / `read_log` keep an append-only JSONL log that survives an interrupt
+(evaluate.py's records, stage 1's sampling). Corpora too large to
 hold as a list (wiki-18: 21M passages) are read lazily by `searchlite.corpus.Corpus` with the
 same per-line rules. Left out on purpose: Parquet and HF `datasets`.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -88,12 +90,20 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
 
 
 def _objects(path) -> Iterator[tuple[int, dict]]:
-    """Yield (1-based line number, JSON object) for each non-blank line of a JSONL file."""
-    with _open(path, "rb", str(path).endswith(".gz")) as f:
-        for line_no, raw in enumerate(f, 1):
-            obj = parse_object(raw, path, line_no)
-            if obj is not None:
-                yield line_no, obj
+    """Yield (1-based line number, JSON object) for each non-blank line of a JSONL file.
+
+    A `.gz` file that is cut off (EOFError), not gzip at all (BadGzipFile) or damaged inside
+    (zlib.error, BadGzipFile for a bad CRC) raises `DataError` naming the line being read, which
+    the scripts report in one line (train.py catches DataError only) instead of a traceback."""
+    line_no = 0  # the last line read whole; the damage is met while reading line_no + 1
+    try:
+        with _open(path, "rb", str(path).endswith(".gz")) as f:
+            for line_no, raw in enumerate(f, 1):
+                obj = parse_object(raw, path, line_no)
+                if obj is not None:
+                    yield line_no, obj
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}:{line_no + 1}: the gzip stream is cut off or damaged ({e})") from None
 
 
 def _id(obj: dict, path, line_no: int) -> str:

@@ -49,7 +49,7 @@ class Protocol:
     info_close: str
     invalid_message: str  # appended (loss_mask 0) after a turn with no valid action
     search_re: re.Pattern
-    answer_re: re.Pattern | None  # None: answers are \boxed{} (brace-matched, see _last_boxed)
+    answer_re: re.Pattern | None  # None: answers are \boxed{} (brace-matched, \text{} unwrapped: _last_boxed)
 
     def prompt(self, question: str) -> str:
         return self.template.replace("{question}", question.strip())
@@ -77,7 +77,23 @@ class Protocol:
         return Action("invalid")
 
     def format_passages(self, hits) -> str:
-        """Search-R1's `Doc i(Title: t) text` lines (its `_passages2string`)."""
+        """Search-R1's `Doc i(Title: t) text` lines, one per hit, each ending in a newline.
+
+        >>> from searchlite.data import Passage
+        >>> get_protocol("search_r1").format_passages([Passage("1", "Paris", "Capital of France.")])
+        'Doc 1(Title: Paris) Capital of France.\\n'
+
+        It differs from Search-R1's `_passages2string` (search_r1/llm_agent/generation.py), which
+        splits the raw wiki-18 `contents` itself, in the title: Search-R1 keeps the first line as
+        it is, quotes and all (`Title: "Paris"`), where `Passage.title` has them stripped by
+        `data.split_contents` (`Title: Paris`); and for `contents` without a newline Search-R1
+        makes it all title and the text empty, where here it is all text and the title empty.
+        The block around it differs too (`observation_ids`, on purpose): Search-R1 appends
+        `"\\n\\n<information>" + passages.strip() + "</information>\\n\\n"`; this project writes
+        `"\\n" + info_open + passages + info_close + "\\n"`, single newlines, nothing stripped,
+        so the last passage's newline stays inside, before the closing tag (unless the cut to
+        `max_tokens` takes it).
+        """
         return "".join(f"Doc {i + 1}(Title: {h.title}) {h.text}\n" for i, h in enumerate(hits))
 
     def observation_ids(self, tokenizer, hits, max_tokens: int) -> list[int]:
@@ -123,16 +139,49 @@ def _ordered(text: str, open_tag: str, close_tag: str) -> bool:
 
 
 def _last_boxed(text: str) -> tuple[int | None, str | None]:
-    """Start and content of the last complete `\\boxed{...}`, braces matched; (None, None) if none."""
+    """Start and content of the last complete `\\boxed{...}`, braces matched; (None, None) if none.
+
+    The content has its text-style wrappers removed (`_unwrap_text`): `\\boxed{\\text{Paris}}`
+    gives "Paris", which normalizes to "paris", where "\\text{Paris}" would give "textparis".
+    """
     start = text.rfind("\\boxed{")
     while start != -1:
         depth, i = 0, start + len("\\boxed")
         for j in range(i, len(text)):
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
-                return start, text[i + 1:j]
+                return start, _unwrap_text(text[i + 1:j])
         start = text.rfind("\\boxed{", 0, start)
     return None, None
+
+
+# LaTeX commands that only style their argument; models answering in LaTeX put them in \boxed{}
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf)\s*\{")
+
+
+def _unwrap_text(s: str) -> str:
+    """`s` with every `\\text{x}`, `\\textbf{x}`, `\\textit{x}`, `\\textrm{x}`, `\\mathrm{x}` and
+    `\\mathbf{x}` replaced by x, nested ones too; other braces are kept. Braces are matched as
+    in `_last_boxed` (one pass with a stack, no recursion); `s` unchanged if a wrapper is unclosed.
+
+    >>> _unwrap_text("\\\\text{New} \\\\textbf{\\\\mathrm{York}} {x}")
+    'New York {x}'
+    """
+    out, stack, i = [], [], 0  # stack: per open brace, whether it opened a wrapper
+    while i < len(s):
+        m = _TEXT_WRAPPER.match(s, i) if s[i] == "\\" else None
+        if m:
+            stack.append(True)
+            i = m.end()
+            continue
+        if s[i] == "{":
+            stack.append(False)
+        elif s[i] == "}" and stack and stack.pop():
+            i += 1  # the wrapper's closing brace
+            continue
+        out.append(s[i])
+        i += 1
+    return s if any(stack) else "".join(out)
 
 
 def _read_template(path: str | Path, name: str) -> str:

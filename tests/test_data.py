@@ -3,6 +3,9 @@ and write/read round trips."""
 
 import gzip
 import json
+import re
+import struct
+import zlib
 
 import pytest
 from hypothesis import given, settings
@@ -98,6 +101,45 @@ def test_invalid_utf8_names_line(tmp_path):
     p.write_bytes(GOOD_C.encode() + b"\n" + b'{"id": "2", "contents": "\xff"}\n')
     with pytest.raises(DataError, match=r":2: not valid UTF-8"):
         read_corpus(p)
+
+
+def _damaged_gz(kind, good):
+    """The bytes of a .gz file holding one line `good`, damaged as `kind` says."""
+    raw = gzip.compress((good + "\n").encode())
+    if kind == "cut":  # an interrupted download: the last bytes are missing
+        return raw[: len(raw) // 2]
+    if kind == "plain":  # plain JSONL under a .gz name
+        return (good + "\n").encode()
+    if kind == "crc":  # the data inflate, but their checksum is wrong
+        return raw[:-8] + struct.pack("<I", zlib.crc32(b"other")) + raw[-4:]
+    return raw[:10] + b"\x07"  # "block": a deflate block of the reserved type 3 (zlib.error)
+
+
+@pytest.mark.parametrize("reader,good", [(read_corpus, GOOD_C), (read_qa, GOOD_Q)], ids=["corpus", "qa"])
+@pytest.mark.parametrize("kind,line,why", [
+    ("cut", 1, "Compressed file ended before the end-of-stream marker was reached"),  # EOFError
+    ("plain", 1, "Not a gzipped file"),  # gzip.BadGzipFile
+    ("crc", 2, "CRC check failed"),  # gzip.BadGzipFile, met after the one line was read
+    ("block", 1, "invalid block type"),  # zlib.error
+], ids=["cut", "plain", "crc", "block"])
+def test_damaged_gzip_names_file_and_line(tmp_path, reader, good, kind, line, why):
+    p = tmp_path / "f.jsonl.gz"
+    p.write_bytes(_damaged_gz(kind, good))
+    with pytest.raises(DataError) as e:  # not a bare EOFError/BadGzipFile/zlib.error: train.py catches DataError
+        reader(p)
+    assert str(e.value).startswith(f"{p}:{line}: the gzip stream is cut off or damaged ("), str(e.value)
+    assert why in str(e.value)
+
+
+def test_cut_gzip_names_the_line_reached(tmp_path):
+    # many lines, cut halfway: the lines before the cut are read, the error names the one after
+    p = tmp_path / "c.jsonl.gz"
+    write_jsonl(p, ({"id": str(i), "contents": f'"T{i}"\ntext {i} ' + "w" * (i % 37)} for i in range(3000)))
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with pytest.raises(DataError) as e:
+        read_corpus(p)
+    m = re.match(rf"{re.escape(str(p))}:(\d+): the gzip stream is cut off or damaged \(Compressed file ended", str(e.value))
+    assert m and 1 < int(m.group(1)) < 3000, str(e.value)
 
 
 def test_write_read_round_trip(tmp_path):

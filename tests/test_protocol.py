@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from searchlite.protocol import MAX_QUERY_CHARS, Action, get_protocol
+from searchlite.protocol import MAX_QUERY_CHARS, Action, _unwrap_text, get_protocol
 
 SR1 = get_protocol("search_r1")
 PP = get_protocol("r1_searcher_pp")
@@ -56,6 +56,31 @@ def test_long_query_is_cut():
 ])
 def test_r1_searcher_pp_cases(text, expect):
     assert PP.parse(text) == expect
+
+
+@pytest.mark.parametrize("text, expect", [
+    (r"\boxed{\text{Paris}}", "Paris"),  # would be "\text{Paris}", normalized "textparis"
+    (r"\boxed{\textbf{1984}}", "1984"),
+    (r"\boxed{\textit{Hamlet}}", "Hamlet"),
+    (r"\boxed{\mathrm{H_2O}}", "H_2O"),
+    (r"\boxed{Paris}", "Paris"),
+    (r"\boxed{\text{a {b} c}}", "a {b} c"),  # braces inside a wrapper are kept, and matched
+    (r"\boxed{\text{New} \text{York}}", "New York"),  # several wrappers
+    (r"\boxed{\textbf{\text{Nested}}}", "Nested"),  # nested wrappers
+    (r"\boxed{\text {Lima} {x}}", "Lima {x}"),  # a space before the brace; plain braces kept
+    (r"so \boxed{\text{first}} then \boxed{\textbf{second}}.", "second"),  # still the last boxed
+    (r"\boxed{\textsc{Paris}}", r"\textsc{Paris}"),  # not a plain-text wrapper: left alone
+    (r"\boxed{\texts{Paris}}", r"\texts{Paris}"),  # a longer command name is not \text
+    (r"\boxed{\text{}}", None),  # nothing left: no answer
+])
+def test_r1_searcher_pp_boxed_text_unwrapped(text, expect):
+    assert PP.parse(text) == (Action("answer", expect) if expect is not None else Action("invalid"))
+
+
+def test_unwrap_text_deep_and_unclosed():
+    deep = "\\boxed{" + "\\text{" * 10_000 + "x" + "}" * 10_001
+    assert PP.parse(deep) == Action("answer", "x")  # one pass, no recursion (a RecursionError would be "invalid")
+    assert _unwrap_text(r"\text{a") == r"\text{a"  # cannot come from \boxed{} (braces matched): kept as is
 
 
 def test_format_ok():
