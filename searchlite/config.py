@@ -8,8 +8,10 @@ a CPU) is applied, and `--preset none` applies none. Flags are field names, type
     >>> (cfg.algo, cfg.group, cfg.lr)
     ('grpo', 5, 1e-05)
 
-An unknown key or a badly typed value is a `ConfigError` naming the key and the closest
-valid one. The comment after each field is its `--help` text, so the two never drift.
+An unknown key or a badly typed value is a `ConfigError` naming the key (and for an unknown one,
+the valid keys close to it: `suggest`). The comment after each field is its `--help` text, so the
+two never drift. A flag's value is the next argument unless that is a flag too (`--out_dir --resume`
+is an error; `--out_dir=--resume` is not).
 Paths starting with `toy/` point into the embedded toy world (`searchlite/assets/toyworld`).
 Deliberately left out: nested configs, interpolation, environment-variable overrides.
 """
@@ -134,10 +136,50 @@ def resolve_path(value: str) -> str:
     return value
 
 
-def _closest(key: str) -> str:
-    names = [f.name for f in fields(Config)]
-    match = difflib.get_close_matches(key, names, n=1, cutoff=0.0)
-    return f"; did you mean '{match[0]}'?" if match else ""
+def suggest(word: str, names) -> list[str]:
+    """Up to three of `names` that `word` may have meant, best first; [] when none is close.
+
+    A name that `word` begins (in alphabetical order, as a shell completes), is a whole part of,
+    or spells the initials of, beats a merely similar spelling; the similar spellings are
+    difflib's above 0.6, where a lower cutoff names anything (`kl` -> `lr`). Leading dashes and
+    case are ignored, so argparse's `--flags` match too.
+
+    >>> suggest("temp", ["template", "top_p", "temperature"])
+    ['temperature', 'template']
+    >>> suggest("epochs", ["ppo_epochs", "sft_epochs", "steps"]), suggest("learning_rate", ["lr", "lora_rank"])
+    (['ppo_epochs', 'sft_epochs'], ['lr'])
+    >>> suggest("grop", ["group", "gamma"]), suggest("config", ["pooling", "corpus"])
+    (['group'], [])
+    """
+    def bare(name: str) -> str:
+        return name.lstrip("-").lower().replace("-", "_")
+
+    w, names = bare(word), sorted(names, key=bare)
+    if not w:
+        return []
+    parts = w.strip("_").split("_")
+    strong = ([n for n in names if bare(n).startswith(w)]
+              + [n for n in names if f"_{w.strip('_')}_" in f"_{bare(n)}_"]
+              + [n for n in names if len(parts) > 1 and "".join(p[:1] for p in parts) == bare(n)])
+    if not strong:  # a misspelling: the similar names, but only those nearly as close as the best
+        ratio = {n: difflib.SequenceMatcher(None, w, bare(n)).ratio() for n in names}
+        strong = sorted((n for n in names if ratio[n] >= 0.6), key=lambda n: -ratio[n])
+        strong = [n for n in strong if ratio[n] >= ratio[strong[0]] - 0.1]
+    return list(dict.fromkeys(strong))[:3]
+
+
+def _did_you_mean(word: str, names) -> str:
+    """"did you mean 'x'?" or "did you mean one of 'x', 'y'?"; '' when no name is close."""
+    close = suggest(word, names)
+    if not close:
+        return ""
+    return f"did you mean {'' if len(close) == 1 else 'one of '}{', '.join(map(repr, close))}?"
+
+
+def _closest(key: str, names=(), prog: str = "train.py", what: str = "key") -> str:
+    """The tail of an unknown-key error: the fields (or `names`) it may have meant, or --help."""
+    hint = _did_you_mean(key, names or [f.name for f in fields(Config)])
+    return f"; {hint}" if hint else f"; no {what} is close to it (python {prog} --help lists them)"
 
 
 def _coerce(name: str, value, where: str):
@@ -184,9 +226,9 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
     presets = read_presets(path)
     if name not in presets:
         base, _, algo = name.rpartition("-")
-        close = difflib.get_close_matches(name, list(presets), n=1, cutoff=0.0)
+        close = _did_you_mean(name, list(presets))  # none close: the list below says what there is
         hint = (f"; did you mean --preset {base} --algo {algo}?" if base in presets and algo in CHOICES["algo"]
-                else f"; did you mean '{close[0]}'?" if close else "")
+                else f"; {close}" if close else "")
         raise ConfigError(f"{path}: no preset [{name}]{hint} (have: {', '.join(presets)})")
     table = presets[name]
     valid = {f.name for f in fields(Config)}
@@ -216,16 +258,23 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
             raise ConfigError(f"command line: expected --key value, got {arg!r}")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
+        if key != "preset" and key not in Config.__dataclass_fields__:
+            raise ConfigError(f"command line: unknown flag --{key}{_closest(key, reads, prog, 'flag')}")
+        if key != "preset" and reads and key not in reads:
+            raise ConfigError(f"command line: python {prog} does not read --{key} (it reads: --{', --'.join(reads)})")
         if not eq:
+            # the next argument is this flag's value unless it is a flag itself (a negative number
+            # has one dash): `--out_dir $RUN --resume` with RUN empty must not make a folder '--resume'
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if key in Config.__dataclass_fields__ and isinstance(getattr(Config, key), bool) and (
-                nxt is None or nxt.startswith("--")
-            ):
+            if nxt is not None and not nxt.startswith("--"):
+                value, i = nxt, i + 1
+            elif key != "preset" and isinstance(getattr(Config, key), bool):
                 value = "true"  # a bare boolean flag
             elif nxt is None:
                 raise ConfigError(f"command line: --{key} needs a value")
             else:
-                value, i = nxt, i + 1
+                raise ConfigError(f"command line: --{key} needs a value, got the flag {nxt} "
+                                  f"(a value that starts with -- is written --{key}=VALUE)")
         if key == "preset":
             preset = value
         else:
@@ -235,10 +284,6 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
     values = load_preset(preset, presets) if preset != "none" else {}
     for key, value in pairs:
-        if key not in Config.__dataclass_fields__:
-            raise ConfigError(f"command line: unknown flag --{key}{_closest(key)}")
-        if reads and key not in reads:
-            raise ConfigError(f"command line: python {prog} does not read --{key} (it reads: --{', --'.join(reads)})")
         values[key] = _coerce(key, value, "command line")
     cfg = Config(**values)
     if not cfg.out_dir:
@@ -328,8 +373,9 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
 
 
 def _closest_value(value, valid) -> str:
-    match = difflib.get_close_matches(str(value), valid, n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    """' (did you mean ...)' after a bad choice whose valid values the message lists; else ''."""
+    hint = _did_you_mean(str(value), valid)
+    return f" ({hint})" if hint else ""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -339,10 +385,12 @@ class ArgumentParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             parsers = [self] + [p for a in self._actions if isinstance(a, argparse._SubParsersAction)
                                 for p in a.choices.values()]
-            flags = sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+            longs = [[o for o in a.option_strings if o.startswith("--")] for p in parsers for a in p._actions]
+            flags = sorted({o[0] for o in longs if o})  # one name a flag: --methods, not also its alias --method
             words = message.removeprefix("unrecognized arguments: ").split()
             message = "unrecognized arguments: " + " ".join(
-                w + _closest_value(w.split("=")[0], flags) if w.startswith("--") else w for w in words)
+                f"{w} ({_did_you_mean(w.split('=')[0], flags) or 'no flag is close to it; see --help'})"
+                if w.startswith("--") else w for w in words)
         super().error(message)
 
 

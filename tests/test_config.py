@@ -64,6 +64,68 @@ def test_errors_name_key_and_closest(presets):
         parse_args(["group", "5"], presets)
 
 
+def test_a_flag_is_not_the_value_of_the_flag_before_it(presets):
+    """`--out_dir $RUN --resume` with RUN empty: an error, not a fresh run in a folder '--resume'."""
+    with pytest.raises(ConfigError, match=r"^command line: --out_dir needs a value, got the flag --resume"):
+        parse_args(["--out_dir", "--resume"], presets)
+    with pytest.raises(ConfigError, match=r"--group needs a value, got the flag --seed"):
+        parse_args(["--group", "--seed", "1"], presets)
+    with pytest.raises(ConfigError, match=r"--preset needs a value, got the flag --algo"):
+        parse_args(["--preset", "--algo", "ppo"], presets)
+    with pytest.raises(ConfigError, match=r"unknown flag --grop; did you mean 'group'"):
+        parse_args(["--grop", "--resume"], presets)  # the unknown flag is the error worth naming
+    cfg = parse_args(["--lr", "-1e-6", "--seed", "-3", "--resume"], presets)  # a negative number is a value
+    assert (cfg.lr, cfg.seed, cfg.resume) == (-1e-6, -3, True)
+    assert parse_args(["--out_dir=--resume"], presets).out_dir == "--resume"  # asked for with '='
+    cfg = parse_args(["--out_dir", "", "--resume"], presets)  # RUN empty but quoted: the default folder
+    assert (cfg.out_dir, cfg.resume) == (f"runs/none-{Config().algo}", True)
+
+
+@pytest.mark.parametrize("flag, hint", [
+    ("--temp", "did you mean one of 'temperature', 'template'?"),  # was 'template' alone
+    ("--kl", "did you mean one of 'kl_coef', 'kl_kind'?"),  # was 'lr'
+    ("--lora", "did you mean one of 'lora_alpha', 'lora_rank', 'lora_targets'?"),  # was 'lr'
+    ("--learning_rate", "did you mean 'lr'?"),  # its initials; was 'lora_rank'
+    ("--epochs", "did you mean one of 'ppo_epochs', 'sft_epochs'?"),
+    ("--batch", "did you mean one of 'batch_size', 'gen_batch_size', 'micro_batch_size'?"),  # three at most
+    ("--grop", "did you mean 'group'?"),  # a misspelling: difflib
+    ("--temprature", "did you mean 'temperature'?"),
+    ("--config", "no flag is close to it (python train.py --help lists them)"),  # was 'pooling'
+])
+def test_an_unknown_flag_is_named_with_the_close_ones_or_none(presets, flag, hint):
+    with pytest.raises(ConfigError) as e:
+        parse_args([flag, "1"], presets)
+    assert str(e.value) == f"command line: unknown flag {flag}; {hint}"
+
+
+def test_suggestions_for_presets_keys_and_values_name_only_close_ones(presets, tmp_path):
+    from searchlite.config import check_config
+
+    with pytest.raises(ConfigError, match=r"no preset \[foo\] \(have: small, badkey, badtype\)"):
+        parse_args(["--preset", "foo"], presets)  # was: did you mean 'small'?
+    with pytest.raises(ConfigError, match=r"no preset \[bad\]; did you mean one of 'badkey', 'badtype'\? \(have"):
+        parse_args(["--preset", "bad"], presets)
+    junk = tmp_path / "junk.toml"
+    junk.write_text("[junk]\nxyzzy = 1\n")
+    with pytest.raises(ConfigError, match=r"\[junk\]: unknown key 'xyzzy'; no key is close to it \(python train.py "
+                                          r"--help lists them\)"):
+        parse_args(["--preset", "junk"], junk)
+    with pytest.raises(ConfigError, match=r"not one of float32, bfloat16, float16 \(did you mean one of 'float16', "
+                                          r"'float32'\?\)$"):
+        check_config(parse_args(["--dtype", "float"]))
+    with pytest.raises(ConfigError, match=r"--kl_kind 'k2': not one of k1, k3$"):
+        check_config(parse_args(["--kl_kind", "k2"]))
+
+
+def test_a_program_that_reads_a_few_fields_suggests_only_those(capsys):
+    from searchlite.r1pp import STAGE1_FIELDS
+
+    with pytest.raises(ConfigError, match=r"unknown flag --epochs; did you mean 'sft_epochs'\?$"):
+        parse_args(["--epochs", "2"], prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS)  # not ppo_epochs
+    with pytest.raises(ConfigError, match=r"no flag is close to it \(python -m searchlite.r1pp stage1 --help"):
+        parse_args(["--config", "x"], prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS)
+
+
 def test_every_field_has_help_and_help_prints(presets, capsys):
     helps = field_help()
     for name in Config.__dataclass_fields__:
@@ -219,3 +281,13 @@ def test_script_parsers_name_the_closest_flag_of_any_subcommand(capsys):
     with pytest.raises(SystemExit):
         ap.parse_args(["build", "--corpuss", "x.jsonl"])
     assert "unrecognized arguments: --corpuss (did you mean '--corpus'?) x.jsonl" in capsys.readouterr().err
+    build.add_argument("--corpus_format")
+    build.add_argument("--query_format")
+    build.add_argument("--methods", "--method")
+    with pytest.raises(SystemExit):  # an alias is not a second suggestion
+        ap.parse_args(["build", "--metods", "x"])
+    assert "unrecognized arguments: --metods (did you mean '--methods'?) x" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (argparse itself completes a prefix: --corp is --corpus or ambiguous)
+        ap.parse_args(["build", "--format", "x.jsonl", "--config=y"])
+    assert ("unrecognized arguments: --format (did you mean one of '--corpus_format', '--query_format'?) x.jsonl "
+            "--config=y (no flag is close to it; see --help)") in capsys.readouterr().err
