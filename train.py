@@ -154,7 +154,9 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
                 pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
                                            cfg.clip_eps, cfg.loss_agg)
-                loss = pg
+                # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
+                ent = aggregate(entropy_from_logits(logits if cfg.entropy_coef else logits.detach()), lm, cfg.loss_agg)
+                loss = pg - cfg.entropy_coef * ent if cfg.entropy_coef else pg
                 kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
                 if cfg.algo == "grpo" and cfg.kl_coef > 0:
                     loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
@@ -163,8 +165,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 stats["loss"].append(loss.item() * weight)
                 stats["kl"].append(kl.item() * weight)
                 stats["clipfrac"].append(float(clipfrac) * weight)
-                with torch.no_grad():
-                    stats["entropy"].append(float(aggregate(entropy_from_logits(logits), lm, cfg.loss_agg)) * weight)
+                stats["entropy"].append(ent.item() * weight)
                 if critic is not None:
                     values = critic(ids, attn)  # (b, t)
                     values = torch.cat([values.new_zeros(len(rows), 1), values[:, :-1]], 1)  # aligned with logp

@@ -91,6 +91,7 @@ class Config:
     value_clip_eps: float = 0.5  # PPO value clip
     kl_coef: float = 0.001  # weight of the KL to the reference policy
     kl_kind: str = "k3"  # k1 | k3 estimator (GRPO uses k3 in the loss; PPO / REINFORCE++ k1 in the reward)
+    entropy_coef: float = 0.0  # entropy bonus: policy loss - entropy_coef * entropy (Search-R1's verl: 0.001)
     gamma: float = 1.0  # discount over policy tokens
     lam: float = 1.0  # GAE lambda
     ppo_epochs: int = 1  # passes over each batch of rollouts
@@ -311,6 +312,7 @@ IN_RANGE = {  # float fields: (low, high, low included); a value outside fails b
     "critic_lr": (0.0, math.inf, False), "sft_lr": (0.0, math.inf, False), "clip_eps": (0.0, math.inf, False),
     "grad_clip": (0.0, math.inf, False), "value_clip_eps": (0.0, math.inf, False), "lora_alpha": (0.0, math.inf, False),
     "gamma": (0.0, 1.0, True), "lam": (0.0, 1.0, True), "kl_coef": (0.0, math.inf, True),
+    "entropy_coef": (0.0, math.inf, True),
     "weight_decay": (0.0, math.inf, True), "eta": (0.0, math.inf, True), "mem_coef": (0.0, math.inf, True)}
 
 

@@ -274,3 +274,43 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_token
     files = {f.relative_to(ckpt) for f in ckpt.rglob("*") if f.is_file()}
     assert {Path("trainer.pt"), Path("policy/model.safetensors")} <= files <= synced
     assert ("sync", str(tmp_path)) in events[renamed:]
+
+
+def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, byte_tokenizer):
+    """update() with --entropy_coef c: its gradient minus the gradient at c = 0 is -c times the
+    gradient of the policy tokens' mean entropy, computed here with torch's Categorical."""
+    from searchlite.config import parse_args
+    from searchlite.rollout import _collate
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in range(3)]
+    resp = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 3, 6)]
+    ro = _collate(prompts, resp, [[1, 0] + [1] * (len(r) - 2) for r in resp], [0] * 3, [1] * 3, [None] * 3,
+                  [[]] * 3, byte_tokenizer)
+    old_logp = train.score_tokens(tiny_llama, ro, 8, "cpu")
+    adv = torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
+
+    class Capture:  # an optimizer that keeps the gradient it is asked to apply
+        def __init__(self, params):
+            self.params, self.grads = list(params), None
+
+        def step(self):
+            self.grads = [p.grad.clone() for p in self.params]
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.params:
+                p.grad = None
+
+    def grads(coef):
+        cfg = parse_args(["--preset", "none", "--entropy_coef", str(coef), "--kl_coef", "0", "--grad_clip", "1e9",
+                          "--micro_batch_size", "8"])
+        opt = Capture(tiny_llama.parameters())
+        train.update(cfg, 0, tiny_llama, opt, ro, old_logp, old_logp, adv, "cpu")
+        return opt.grads
+
+    logits = tiny_llama(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits  # (3, T, V)
+    ents = [torch.distributions.Categorical(logits=logits[b, t - 1]).entropy()
+            for b in range(3) for t in range(ro.input_ids.shape[1]) if ro.loss_mask[b, t]]
+    want = torch.autograd.grad(torch.stack(ents).mean(), list(tiny_llama.parameters()))
+    for got0, got, w in zip(grads(0.0), grads(0.05), want):
+        torch.testing.assert_close(got - got0, -0.05 * w, atol=1e-6, rtol=1e-4)
