@@ -10,6 +10,8 @@ run on a laptop CPU should show RL teaching a tiny model to search. Names come f
 generator, so no pretrained model knows a fact; every entity has one short passage (BM25 finds
 it by its name), and confusable distractors (a shared first name, a last name or city one
 letter off, a company stem under another kind) punish sloppy queries and careless copying.
+People twins always differ in their facts; a city and its twin may share a region (seed 0:
+1 pair of 9), so a sloppy query for those goes unpunished.
 
 Relations (6): person born_in city, person birth_year; org founded_by person, org
 founded_year, org headquartered_in city; city in_region region (regions have no passage).
