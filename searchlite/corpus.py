@@ -70,7 +70,10 @@ class Corpus:
         cached = self._read_cache(offsets)
         self.starts, self.blank_at = cached if cached else scan_lines(self.path, progress)
         if offsets is not None and not cached:
-            self.save_offsets(offsets)
+            try:
+                self.save_offsets(offsets)
+            except OSError:  # e.g. a read-only index folder: the scan is redone next time, nothing lost
+                pass
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def _read_cache(self, offsets):

@@ -230,13 +230,18 @@ def replace_durably(tmp, path) -> None:
 
 
 def write_durably(path, write, mode: str = "wb") -> None:
-    """Write `path` by calling `write(f)` on `path.tmp`, then `replace_durably`: a crash or a
-    Ctrl-C leaves the old file or the new one, never a half-written one that fails to parse
-    (index folders write every file this way)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
-        write(f)
-    replace_durably(tmp, path)
+    """Write `path` by calling `write(f)` on a temporary file beside it, then `replace_durably`:
+    a crash or a Ctrl-C leaves the old file or the new one, never a half-written one that fails
+    to parse (index folders write every file this way). The temporary name is this process's
+    own, so processes writing the same file at once (torchrun ranks) each finish theirs."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+            write(f)
+        replace_durably(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: no stray file
+            os.remove(tmp)
 
 
 def _fsync(path: Path) -> None:

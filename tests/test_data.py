@@ -169,3 +169,30 @@ def test_qa_to_dict_meta_cannot_override_core_fields():
 def test_contents_round_trip(title, text):
     p = Passage("0", title, text)
     assert split_contents(p.contents) == (title, text)
+
+
+def _write_many(path, k: int, errors) -> None:
+    from searchlite.data import write_durably
+
+    try:
+        for _ in range(30):
+            write_durably(path, lambda f: f.write(bytes([k]) * 200_000))
+    except OSError as e:  # noqa: PERF203
+        errors.put(f"{type(e).__name__}: {e}")
+
+
+def test_processes_writing_one_file_at_once_each_finish(tmp_path):
+    """torchrun ranks refresh one index folder's offsets cache together: each writes its own
+    temporary file, so none finds its file renamed away by another, and the file is whole."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    errors, path = ctx.Queue(), tmp_path / "cache.bin"
+    procs = [ctx.Process(target=_write_many, args=(path, k, errors)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert errors.empty(), errors.get()
+    data = path.read_bytes()
+    assert len(data) == 200_000 and len(set(data)) == 1 and list(tmp_path.iterdir()) == [path]
