@@ -6,9 +6,10 @@
 
 Memory follows the index, not the corpus: the corpus is read in batches through a lazy
 `Corpus` (its line offsets cached in the folder as `corpus_offsets.npz`). A folder is
-finished when its `bm25.json` or `dense.json` exists; a build deletes both first and writes
-its own last, every file whole (renamed into place), so a build cut short leaves a folder
-that refuses to load. A folder holds one kind: a build refuses one with the other kind's files.
+finished when its `bm25.json` or `dense.json` exists; saving the index deletes both first and
+writes its own last, every file whole (renamed into place), so a save cut short leaves a folder
+that refuses to load, and a build that fails before it leaves the old index as it was. A folder
+holds one kind: a build refuses one with the other kind's files.
 
 Dense builds encode the corpus in shards of `shard_size` passages, each written whole to
 `shards/` and renamed into place, beside a `shards/manifest.json` of the settings. Run the
@@ -33,16 +34,17 @@ import numpy as np
 
 from searchlite.corpus import Corpus
 from searchlite.data import DataError, replace_durably, write_durably
-from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, begin_index_folder, default_prefixes
+from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, check_index_folder, default_prefixes
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
 TRAIN_LIMIT = 100_000  # vectors sampled to train a quantizer: k-means time and memory grow with them
 
 
 def _corpus(path, folder, kind: str) -> Corpus:
-    """Open the corpus for a `kind` build into `folder`, which is begun first
-    (`begin_index_folder`): a folder of the other kind is refused before a long scan."""
-    begin_index_folder(folder, kind)
+    """Open the corpus for a `kind` build into `folder`, checked first (`check_index_folder`):
+    a folder of the other kind is refused before a long scan."""
+    check_index_folder(folder, kind)
+    os.makedirs(folder, exist_ok=True)
     corpus = Corpus(path, offsets=os.path.join(folder, "corpus_offsets.npz"))
     if not len(corpus):
         raise DataError(f"{path}: no passages to index (the file is empty or holds only blank lines)")
@@ -101,6 +103,7 @@ def _check_manifest(folder, manifest: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
+        old.setdefault("corpus_mtime_ns", manifest["corpus_mtime_ns"])  # written before it was recorded
         diff = sorted(k for k in manifest.keys() | old.keys() if manifest.get(k) != old.get(k))
         if diff:
             raise ValueError(f"{folder}/shards holds a build with other settings ({', '.join(diff)} differ); "

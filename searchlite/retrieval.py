@@ -91,15 +91,21 @@ KIND_FILES = {"bm25": ("bm25.json", *BM25_FILES.values(), "vocab.index.json", "p
               "dense": ("dense.json", "index.faiss", "shards")}
 
 
-def begin_index_folder(folder, kind: str) -> None:
-    """Ready `folder` to be written a `kind` index: refuse it if it holds another kind's files
-    (a folder holds one index, so it never loads as the wrong kind), then delete the finished
-    markers, so that a rebuild cut short is unfinished, never old settings over new files."""
+def check_index_folder(folder, kind: str) -> None:
+    """Refuse `folder` for a `kind` index if it holds another kind's files: a folder holds one
+    index, so it never loads as the wrong kind."""
     other = next(k for k in KIND_FILES if k != kind)
     found = [name for name in KIND_FILES[other] if os.path.exists(os.path.join(folder, name))]
     if found:
         raise ValueError(f"{folder} holds files of a {other} index ({', '.join(found)}); write the {kind} index "
                          "to another folder, or delete those files first")
+
+
+def begin_index_folder(folder, kind: str) -> None:
+    """Ready `folder` to be written a `kind` index, just before its files are: `check_index_folder`,
+    then delete the finished markers, so that a save cut short is unfinished, never old settings
+    over new files. (A build that fails before saving leaves the old index as it was.)"""
+    check_index_folder(folder, kind)
     os.makedirs(folder, exist_ok=True)
     for k in KIND_FILES:
         if os.path.exists(marker := os.path.join(folder, f"{k}.json")):

@@ -146,6 +146,18 @@ def test_bm25_folder_round_trip_and_corpus_check(tmp_path, toy_passages):
         load_index(tmp_path)
 
 
+def test_a_rebuild_refused_before_it_saves_leaves_the_old_index(tmp_path):
+    """A rebuild that fails before writing anything (a gzipped corpus, an empty one) keeps the
+    folder's finished index loadable."""
+    out, empty = tmp_path / "bm25", tmp_path / "empty.jsonl"
+    build_bm25_folder(TOY, out, progress=False)
+    empty.write_text("")
+    for corpus in (str(TOY) + ".gz", empty):
+        with pytest.raises(DataError):
+            build_bm25_folder(corpus, out, progress=False)
+    assert load_index(out).search(QUERIES, 3) == BM25Retriever(read_corpus(TOY)).search(QUERIES, 3)
+
+
 @pytest.mark.parametrize("cut", ["before_vocab", "during_vocab"])
 def test_bm25_rebuild_cut_short_is_an_unfinished_folder(tmp_path, monkeypatch, toy_passages, cut):
     """A rebuild over a finished folder (same ids, new texts) cut short used to load with the old
@@ -295,6 +307,11 @@ def test_shards_of_a_corpus_edited_in_place_are_refused(tmp_path, encoder):
     assert os.path.getsize(corpus) == st.st_size
     with pytest.raises(ValueError, match=r"corpus_mtime_ns differ"):
         build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
+    manifest = out / "shards" / "manifest.json"  # shards begun before the time was recorded: kept
+    old = json.loads(manifest.read_text())
+    del old["corpus_mtime_ns"]
+    manifest.write_text(json.dumps(old))
+    build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
 
 
 def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
