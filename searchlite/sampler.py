@@ -22,6 +22,17 @@ from __future__ import annotations
 import torch
 
 
+class PromptTooLong(RuntimeError):
+    """A prompt that leaves the model no position to generate in. A rollout ends a trajectory
+    at the model's context before this, so it is a first prompt (or a direct / rag one) that is
+    too long; a RuntimeError, so evaluate.py keeps the questions it finished."""
+
+    def __init__(self, prompt_len: int, context: int):
+        super().__init__(f"a prompt of {prompt_len} tokens leaves no room in the model's context of {context} "
+                         "positions; shorten the prompt (its template, or its passages: --topk, --max_obs_tokens) "
+                         "or use a model with a longer context")
+
+
 class _StopRecorder:
     """Stopping criterion that ends a row at EOS or a stop string and records where.
 
@@ -124,8 +135,7 @@ class HFSampler:
         width = max(len(p) for p in prompts)
         rooms = [max_new if self.max_model_len is None else min(max_new, self.max_model_len - len(p)) for p in prompts]
         if min(rooms) <= 0:
-            raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room in the model's "
-                             f"{self.max_model_len} positions; lower --max_len")
+            raise PromptTooLong(max(len(p) for p in prompts), self.max_model_len)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         mask = torch.zeros_like(ids)  # (B, P) 1 = real prompt token
         for i, p in enumerate(prompts):

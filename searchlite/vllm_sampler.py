@@ -45,6 +45,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import resolve_path
+from .sampler import PromptTooLong
 
 
 def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
@@ -203,8 +204,7 @@ class VLLMSampler:
 
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in vLLM's max_model_len "
-                             f"{self.max_model_len}; lower --max_len")
+            raise PromptTooLong(prompt_len, self.max_model_len)  # vLLM's max_model_len
         return SamplingParams(
             max_tokens=min(max_new, room), temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p, seed=seed, stop=list(stop) or None,

@@ -194,7 +194,7 @@ def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
     outs = sampler.generate(prompts, greedy=True)
     assert [len(o) for o in outs] == [3, 12]  # a random model never stops early
     assert outs[0] == sampler.generate(prompts[:1], greedy=True)[0]
-    with pytest.raises(ValueError, match="100 positions"):
+    with pytest.raises(RuntimeError, match="context of 100 positions; shorten the prompt"):
         sampler.generate([[7] * 100])
     model.config.max_position_embeddings = len(encode_prompt(tok, P, "who?")) + 20
     ro = rollout(HFSampler(model, tok, max_new_tokens=12), FakeRetriever(), tok, P, ["who?"], max_turns=3, topk=1, max_len=4096, greedy=True)

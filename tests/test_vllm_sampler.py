@@ -189,7 +189,7 @@ def test_release_then_push(engine, tok, prompts, capsys):
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error(engine):
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(RuntimeError, match=f"model's context of {engine.max_model_len} positions"):
         engine.generate([[5] * engine.max_model_len])
 
 
