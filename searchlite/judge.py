@@ -33,7 +33,9 @@ from pathlib import Path
 
 from .protocol import TEMPLATE_DIR
 
-# verdict()'s two readings; a "not" before the word flips it ("Not true.", "isn't true", "Not correct")
+# verdict()'s readings; a "not" before the word flips it ("Not true.", "isn't true", "Not correct")
+_LABEL = re.compile(r"\W*true\s*/\s*false\s*:", re.I)  # an echoed "True/False:" before the verdict
+_LEAD = re.compile(r"\W*(not\s+)?(true|false)\b", re.I)
 _TRUE_FALSE = re.compile(r"((?:\bnot|n't)\s+)?\b(true|false)\b", re.I)
 _FIRST_WORD = re.compile(r"\W*(not\s+)?(correct|right|yes|incorrect|wrong|no)\b", re.I)
 
@@ -46,20 +48,24 @@ def verdict(reply: str) -> bool | None:
     """The judge's verdict in `reply`, None when it gives none.
 
     The answer is what follows the reasoning's </think> (its <think> may have been in the
-    prompt); a reply still inside <think> has no answer. The verdict is the answer's last
-    "true" or "false", flipped by a "not" before it: the last, because a judge that explains
-    first ends on its verdict, and an echoed "True/False:" label comes first. Only the prompt's
-    words count there ("False. The correct answer is Lyon" is False). An answer with neither is
-    read by its first word: correct, right, yes (True); incorrect, wrong, no (False).
+    prompt); a reply still inside <think> has no answer. An answer that opens with "true" or
+    "false" (after an echoed "True/False:" label) is that verdict, whatever an explanation after
+    it says; otherwise the verdict is its last "true" or "false", where a judge that explains
+    first ends. A "not" before the word flips it. Only the prompt's words count there ("False.
+    The correct answer is Lyon" is False). An answer with neither is read by its first word:
+    correct, right, yes (True); incorrect, wrong, no (False).
 
     >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
     (True, False, False, True)
+    >>> verdict("True. Saying they differ would be false."), verdict("They are the same city, so True")
+    (True, True)
     >>> verdict("<think>Lyon is not Paris.</think> False"), verdict("<think>Okay, let me"), verdict("Hmm")
     (False, None, None)
     """
     answer = (reply or "").rsplit("</think>", 1)[-1].split("<think>", 1)[0]
-    last = None
-    for last in _TRUE_FALSE.finditer(answer):
+    answer = answer[_LABEL.match(answer).end():] if _LABEL.match(answer) else answer
+    last = _LEAD.match(answer)
+    for last in [] if last else _TRUE_FALSE.finditer(answer):
         pass
     if last:
         return (last.group(2).lower() == "true") != bool(last.group(1))

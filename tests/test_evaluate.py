@@ -510,6 +510,8 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("<think>\nOkay, let me check", None),  # cut off while thinking (max_tokens too small)
     ("<think>Is it true? Paris vs Lyon.</think>\n\nFalse", False),
     ("Paris is Paris, so it is false that they differ.</think>\nTrue", True),  # <think> was in the prompt
+    ("True\nExplanation: the claim that they differ is false.", True),  # a verdict first, then its reasons
+    ("Correct answer: Lyon, so False", False),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
