@@ -34,7 +34,7 @@ from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_re
 from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
 from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
-from searchlite.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, token_logprobs, value_loss
+from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, token_logprobs, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
                                load_trainer_state, make_optimizer, pick_device, reuse_freed_memory, rng_state,
@@ -48,10 +48,13 @@ from searchlite.sampler import HFSampler
 from searchlite.vllm_sampler import VLLMSampler
 
 
-def micro_batches(n: int, size: int):
-    """Row index lists of at most `size` rows covering range(n)."""
+def micro_batches(n: int, size: int, lengths=None):
+    """Row index lists of at most `size` rows covering range(n). With `lengths` (n,) the rows go
+    shortest first: a micro-batch is cut to its longest row (`trim`), so rows of like length
+    together carry little padding (a toy step's forward passes ran 2.6x the real tokens, 1.5x so)."""
     size = size or n
-    return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+    order = list(range(n)) if lengths is None else torch.argsort(torch.as_tensor(lengths), stable=True).tolist()
+    return [order[s:s + size] for s in range(0, n, size)]
 
 
 def trim(ro, rows):
@@ -65,7 +68,7 @@ def score_tokens(model, ro, size: int, device, values: bool = False, temperature
     """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
     Log-probs are those of the distribution the sampler drew from: logits / `temperature`."""
     out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
-    for rows in micro_batches(len(ro), size):
+    for rows in micro_batches(len(ro), size, ro.attention_mask.sum(1)):
         ids, attn, _ = trim(ro, rows)
         ids, attn = ids.to(device), attn.to(device)
         if values:
@@ -92,8 +95,9 @@ def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
 
 # Settings a resumed run must share with its checkpoint: the optimizer, schedule and LoRA adapter
 # restored from it keep their own, and the data order follows the seed, so a change would be ignored.
-RESUME_FIXED = ("algo", "seed", "optimizer", "lr", "critic_lr", "weight_decay", "warmup_steps", "critic_warmup_steps",
-                "lora_alpha", "lora_targets")
+RESUME_FIXED = ("algo", "seed", "optimizer", "lr", "weight_decay", "warmup_steps")
+RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optimizer keeps these
+RESUME_FIXED_LORA = ("lora_alpha", "lora_targets")  # only an adapter keeps these
 
 
 def check_resume(cfg) -> None:
@@ -102,8 +106,10 @@ def check_resume(cfg) -> None:
     if ckpt is None:
         return
     saved = load_trainer_state(ckpt, mmap=True)["config"]
-    changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in RESUME_FIXED
-               if k in saved and saved[k] != getattr(cfg, k)]
+    keys = RESUME_FIXED + RESUME_FIXED_PPO * (cfg.algo == "ppo") + RESUME_FIXED_LORA * bool(cfg.lora_rank)
+    norm = lambda k, v: sorted(t.strip() for t in v.split(",")) if k == "lora_targets" else v  # noqa: E731
+    changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in keys
+               if k in saved and norm(k, saved[k]) != norm(k, getattr(cfg, k))]
     if changed:
         raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule and "
                           "adapter keep the checkpoint's, so resume with those settings, or start a new --out_dir")
@@ -143,7 +149,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
             # token_mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
             # gradients, so each rank divides by all ranks' token count over the world size
             n_tok = max(1.0, dist.all_sum(float(ro.loss_mask[mini].sum()))) / dist.world()
-            for rows in micro_batches(len(mini), cfg.micro_batch_size):
+            for rows in micro_batches(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1)):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
                 t = ids.shape[1]
@@ -155,7 +161,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
                                            cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
-                ent = aggregate(entropy_from_logits(logits if cfg.entropy_coef else logits.detach()), lm, cfg.loss_agg)
+                ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), lm), lm, cfg.loss_agg)
                 loss = pg - cfg.entropy_coef * ent if cfg.entropy_coef else pg
                 kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
                 if cfg.algo == "grpo" and cfg.kl_coef > 0:

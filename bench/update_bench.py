@@ -34,7 +34,7 @@ from searchlite.sampler import HFSampler  # noqa: E402
 
 def bare_step(policy, opt, ro, size: int) -> None:
     n_tok = float(ro.loss_mask.sum())
-    for rows in train.micro_batches(len(ro), size):
+    for rows in train.micro_batches(len(ro), size, ro.attention_mask.sum(1)):  # as train.update groups them
         ids, attn, lm = train.trim(ro, rows)
         logp = token_logprobs(policy(input_ids=ids, attention_mask=attn).logits, ids)  # (b, t)
         (-(logp * lm).sum() / n_tok).backward()

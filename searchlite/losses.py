@@ -15,6 +15,7 @@ masking): masked entries are selected away with `torch.where`, so whatever sits 
 
 Left out on purpose: dual-clip PPO, asymmetric (clip-higher) ranges, the k2 estimator,
 entropy bonus weighting and loss scaling across micro-batches (the caller owns those).
+`masked_entropy` is `entropy_from_logits` at the loss-mask positions only, cheap to train on.
 
 >>> logits = torch.zeros(1, 3, 4)            # uniform over 4 tokens
 >>> token_logprobs(logits, torch.tensor([[0, 1, 2]]))
@@ -39,6 +40,33 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
         picked = row.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (T-1,)
         logp[b, 1:] = picked - torch.logsumexp(row, dim=-1)
     return logp
+
+
+def masked_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """`entropy_from_logits` where `mask` (B, T) is nonzero, 0 elsewhere, computed at those
+    positions only. With gradients (an entropy bonus), each `chunk` of positions is computed
+    again in backward (torch.utils.checkpoint), so what is kept for backward is the selected
+    logits alone, not two fp32 copies of every position's distribution (18.5 GiB for a 3B run's
+    micro-batch of 8 x 2,048 tokens over Qwen's 151,936 words).
+
+    >>> masked_entropy(torch.zeros(1, 3, 4), torch.tensor([[0, 0, 1]]))   # uniform: log 4
+    tensor([[0.0000, 0.0000, 1.3863]])
+    """
+    ent = torch.zeros(mask.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    b, t = mask[:, 1:].nonzero(as_tuple=True)  # token t + 1 was drawn from logits[:, t]
+    z = logits[b, t]  # (n, V)
+    if z.requires_grad:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(_entropy_rows, z[i:i + chunk], use_reentrant=False) for i in range(0, len(z), chunk)]
+    else:
+        parts = [_entropy_rows(z[i:i + chunk]) for i in range(0, len(z), chunk)]
+    return ent.index_put((b, t + 1), torch.cat(parts)) if parts else ent
+
+
+def _entropy_rows(z: torch.Tensor) -> torch.Tensor:
+    z = z.to(torch.promote_types(z.dtype, torch.float32))  # (n, V), bf16 in at least fp32
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

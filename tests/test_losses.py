@@ -57,6 +57,26 @@ def test_entropy_matches_categorical():
     assert torch.all(ent[:, 0] == 0)
 
 
+def test_masked_entropy_is_the_entropy_at_the_mask_with_its_gradient():
+    """Values and gradients equal entropy_from_logits times the mask, also when the positions
+    are split over several checkpointed chunks (chunk=3 of 5 positions)."""
+    from searchlite.losses import masked_entropy
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3).requires_grad_()  # (B, T, V)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 1, 1, 0]], dtype=f64)  # 6 policy tokens
+    want = entropy_from_logits(logits) * mask
+    got = masked_entropy(logits, mask, chunk=4)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    weights = torch.randn(2, 6, generator=gen, dtype=f64)
+    g_want, = torch.autograd.grad((want * weights).sum(), logits)
+    g_got, = torch.autograd.grad((got * weights).sum(), logits)
+    torch.testing.assert_close(g_got, g_want, atol=ATOL, rtol=0)
+    # logits[0, 0] predicts token 1, masked out: no gradient; logits[0, 2] predicts token 3, a policy token
+    assert g_got[0, 0].abs().sum() == 0 and g_got[0, 2].abs().sum() > 0
+    assert masked_entropy(logits.detach(), torch.zeros(2, 6)).abs().sum() == 0
+
+
 # --- masked reductions and aggregation ---------------------------------------------
 
 

@@ -124,7 +124,8 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
     train.main(args(tiny_model, out, "grpo", steps=1))
     with pytest.raises(SystemExit, match=r"was trained with lr = 0.01, this run has 0.001; its optimizer"):
         train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--lr", "1e-3"]))
-    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--kl_coef", "0.01"]))  # this one applies
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--kl_coef", "0.01",  # this one applies
+                                                             "--critic_lr", "1", "--lora_alpha", "3"]))  # unused
     assert [r["step"] for r in metrics(out)] == [0, 1, 2]
 
 
@@ -314,3 +315,14 @@ def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, by
     want = torch.autograd.grad(torch.stack(ents).mean(), list(tiny_llama.parameters()))
     for got0, got, w in zip(grads(0.0), grads(0.05), want):
         torch.testing.assert_close(got - got0, -0.05 * w, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batches_group_rows_of_like_length():
+    """Every row once; with lengths, shortest first, so each micro-batch is padded to little more
+    than its own rows (here 23 tokens with padding instead of 32)."""
+    lengths = [9, 2, 5, 1, 4]
+    assert train.micro_batches(5, 2) == [[0, 1], [2, 3], [4]]
+    by_length = train.micro_batches(5, 2, lengths)
+    assert by_length == [[3, 1], [4, 2], [0]] and sorted(sum(by_length, [])) == list(range(5))
+    padded = lambda batches: sum(max(lengths[r] for r in b) * len(b) for b in batches)  # noqa: E731
+    assert (padded(train.micro_batches(5, 2)), padded(by_length)) == (9 * 2 + 5 * 2 + 4, 2 * 2 + 5 * 2 + 9)
