@@ -15,7 +15,7 @@ masking): masked entries are selected away with `torch.where`, so whatever sits 
 
 Left out on purpose: dual-clip PPO, asymmetric (clip-higher) ranges, the k2 estimator,
 entropy bonus weighting and loss scaling across micro-batches (the caller owns those).
-`masked_entropy` is `entropy_from_logits` at the loss-mask positions only, cheap to train on.
+`masked_entropy` is computed at the loss-mask positions only, cheap to train on.
 
 >>> logits = torch.zeros(1, 3, 4)            # uniform over 4 tokens
 >>> token_logprobs(logits, torch.tensor([[0, 1, 2]]))
@@ -43,8 +43,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def masked_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """`entropy_from_logits` where `mask` (B, T) is nonzero, 0 elsewhere, computed at those
-    positions only. With gradients (an entropy bonus), each `chunk` of positions is computed
+    """Entropy of the distribution that drew each token where `mask` (B, T) is nonzero, 0
+    elsewhere; same alignment as logp: ent[:, t] = H(p(. | input_ids[:, :t])), from
+    logits[:, t - 1], as logsumexp(z) - sum_v softmax(z)_v z_v in (at least) fp32. It is
+    computed at those positions only. With gradients (an entropy bonus), each `chunk` is computed
     again in backward (torch.utils.checkpoint), so what is kept for backward is the selected
     logits alone, not two fp32 copies of every position's distribution (18.5 GiB for a 3B run's
     micro-batch of 8 x 2,048 tokens over Qwen's 151,936 words).
@@ -67,24 +69,6 @@ def masked_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 1024) 
 def _entropy_rows(z: torch.Tensor) -> torch.Tensor:
     z = z.to(torch.promote_types(z.dtype, torch.float32))  # (n, V), bf16 in at least fp32
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the distribution that produced each token; same alignment as logp.
-
-    ent[:, t] is H(p(. | input_ids[:, :t])), from `logits[:, t - 1]`; ent[:, 0] = 0.
-    H = logsumexp(z) - sum_v softmax(z)_v * z_v, one row at a time in fp32.
-
-    >>> entropy_from_logits(torch.zeros(1, 2, 4))   # uniform: log 4
-    tensor([[0.0000, 1.3863]])
-    """
-    B, T, _ = logits.shape
-    ent = logits.new_zeros(B, T, dtype=torch.promote_types(logits.dtype, torch.float32))  # (B, T)
-    for b in range(B):
-        row = logits[b, :-1].to(ent.dtype)  # (T-1, V)
-        probs = torch.softmax(row, dim=-1)  # (T-1, V)
-        ent[b, 1:] = torch.logsumexp(row, dim=-1) - (probs * row).sum(-1)
-    return ent
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch
 
 from searchlite.losses import (
     aggregate,
-    entropy_from_logits,
     kl_penalty,
+    masked_entropy,
     masked_mean,
     masked_whiten,
     policy_loss,
@@ -51,21 +51,20 @@ def test_token_logprobs_bf16_upcasts():
 def test_entropy_matches_categorical():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3  # (B, T, V)
-    ent = entropy_from_logits(logits)
+    ent = masked_entropy(logits, torch.ones(2, 6))
     ref = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
     torch.testing.assert_close(ent[:, 1:].double(), ref, atol=ATOL, rtol=0)
     assert torch.all(ent[:, 0] == 0)
 
 
 def test_masked_entropy_is_the_entropy_at_the_mask_with_its_gradient():
-    """Values and gradients equal entropy_from_logits times the mask, also when the positions
-    are split over several checkpointed chunks (chunk=3 of 5 positions)."""
-    from searchlite.losses import masked_entropy
-
+    """Values and gradients equal torch's Categorical entropy times the mask, also when the
+    positions are split over several checkpointed chunks (chunk=4 of 6 positions)."""
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3).requires_grad_()  # (B, T, V)
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 1, 1, 0]], dtype=f64)  # 6 policy tokens
-    want = entropy_from_logits(logits) * mask
+    full = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
+    want = torch.cat([torch.zeros(2, 1, dtype=f64), full], 1) * mask
     got = masked_entropy(logits, mask, chunk=4)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     weights = torch.randn(2, 6, generator=gen, dtype=f64)
@@ -197,7 +196,7 @@ def test_masked_positions_get_no_gradient(mode):
         logp = token_logprobs(logits, ids)
         pg, _ = policy_loss(logp, old_logp, adv, loss_mask, clip_eps=0.2, mode=mode)
         kl = aggregate(kl_penalty(logp, ref_logp, "k3"), loss_mask, mode)
-        ent = aggregate(entropy_from_logits(logits), loss_mask, mode)
+        ent = aggregate(masked_entropy(logits, loss_mask), loss_mask, mode)
         loss = pg + 0.1 * kl - 0.01 * ent
         loss.backward()
         return loss.detach(), logits.grad
