@@ -46,7 +46,7 @@ from functools import partial
 from pathlib import Path
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, is_hub_name, resolve_path
-from searchlite.data import DataError, read_qa, replace_durably
+from searchlite.data import DataError, read_qa, replace_durably, write_durably
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -242,9 +242,7 @@ def warn_no_verdict(records: list[dict], path: Path) -> None:
 
 def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
-    replace_durably(tmp, out / "results.json")
+    write_durably(out / "results.json", lambda f: f.write(json.dumps(payload, indent=1, ensure_ascii=False)), "w")
     (out / "table.md").write_text(text + "\n")
 
 

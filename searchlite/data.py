@@ -23,6 +23,7 @@ same per-line rules. Left out on purpose: Parquet and HF `datasets`.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -210,11 +211,13 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
     and renamed, so a crash never leaves half a file. Parent folders are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with _open(tmp, "wb", path.name.endswith(".gz")) as f:
-        for row in rows:
-            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
-    replace_durably(tmp, path)
+
+    def write(f) -> None:
+        with gzip.GzipFile(fileobj=f, mode="wb") if path.name.endswith(".gz") else contextlib.nullcontext(f) as out:
+            for row in rows:
+                out.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    write_durably(path, write)
 
 
 def replace_durably(tmp, path) -> None:

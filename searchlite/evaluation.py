@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .data import append_log, read_log, replace_durably
+from .data import append_log, read_log, write_durably
 from .protocol import TEMPLATE_DIR
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
@@ -219,9 +219,8 @@ class RecordLog:
         """Rewrite records already in the log (e.g. judged later), atomically."""
         for r in records:
             self.done[self.key(r)] = r
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.done.values()), encoding="utf-8")
-        replace_durably(tmp, self.path)
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.done.values())
+        write_durably(self.path, lambda f: f.write(text), "w")
 
 
 def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, batch_size: int = 16, judge=None,

@@ -33,7 +33,7 @@ import shutil
 import numpy as np
 
 from searchlite.corpus import Corpus
-from searchlite.data import DataError, replace_durably, write_durably
+from searchlite.data import DataError, write_durably
 from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, check_index_folder, default_prefixes
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
@@ -126,9 +126,7 @@ def encode_shards(corpus: Corpus, folder, enc: TextEncoder, prefix: str, shard_s
         for start, path in missing:
             _, chunk = next(corpus.batches(shard_size, start))
             emb = enc.encode([p.contents for p in chunk], prefix, bar=bar)  # (shard, H)
-            with open(path + ".tmp", "wb") as f:
-                np.save(f, emb)
-            replace_durably(path + ".tmp", path)  # a shard is there whole or not at all
+            write_durably(path, lambda f: np.save(f, emb))  # a shard is there whole or not at all
     return paths
 
 

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .config import ConfigError
-from .data import replace_durably
+from .data import write_durably
 from .losses import token_logprobs
 from .models import rng_state, set_rng_state
 
@@ -100,13 +100,10 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
 
 
 def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> None:
-    """Everything `sft` needs to continue, written to a temporary file and renamed over `path`
-    once it is on disk."""
+    """Everything `sft` needs to continue, written whole over `path` (`write_durably`)."""
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "losses": losses,
              "rng": rng_state(), "settings": settings}
-    tmp = Path(f"{path}.tmp")
-    torch.save(state, tmp)
-    replace_durably(tmp, path)
+    write_durably(path, lambda f: torch.save(state, f))
 
 
 def load_state(path, model, opt, sched, settings: dict) -> list[float]:
