@@ -27,7 +27,11 @@ import numpy as np
 from searchlite.data import DataError, Passage, parse_object, passage_from_object, read_corpus, write_durably
 
 _CHUNK = 1 << 26  # bytes read per step of the line scan
-_SHORT = 16  # lines up to this many bytes are checked for being blank (longer ones never are in practice)
+# Bytes that can begin a character str.strip() removes (ASCII whitespace and "\n", \x1c-\x1f, and in
+# UTF-8 U+0085, U+00A0, U+1680, U+2000-U+205F, U+3000) or a BOM: the scan reads again only the lines
+# that begin with one, to find the blank ones (a JSON line begins with "{")
+_MAYBE_BLANK = np.zeros(256, bool)
+_MAYBE_BLANK[[*range(0x09, 0x0E), *range(0x1C, 0x21), 0xC2, 0xE1, 0xE2, 0xE3, 0xEF]] = True
 
 
 def scan_lines(path, progress: bool = True):
@@ -38,18 +42,24 @@ def scan_lines(path, progress: bool = True):
 
     size = os.path.getsize(path)
     parts = [np.zeros(1, np.int64)]
+    maybe = []  # per line: whether its first byte may begin whitespace
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"scanning {os.path.basename(path)}",
                                      disable=not progress or size < 1 << 28) as bar:
-        pos = 0
+        pos, begins_here = 0, True  # begins_here: a line starts at this chunk's first byte
         while chunk := f.read(_CHUNK):
-            parts.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos + 1)  # after each "\n"
+            arr = np.frombuffer(chunk, np.uint8)
+            after = np.flatnonzero(arr == 10) + 1  # each line start after a "\n" in this chunk
+            parts.append(after + pos)
+            firsts = np.concatenate([np.zeros(int(begins_here), np.int64), after[after < len(arr)]])
+            maybe.append(_MAYBE_BLANK[arr[firsts]])
+            begins_here = len(after) > 0 and after[-1] == len(arr)
             pos += len(chunk)
             bar.update(len(chunk))
     starts = np.concatenate(parts)  # (L+1,) every line start, then the end
     if starts[-1] != size:  # the last line has no newline
         starts = np.append(starts, size)
     with open(path, "rb") as f:
-        blank = [j for j in np.flatnonzero(np.diff(starts) <= _SHORT)
+        blank = [j for j in np.flatnonzero(np.concatenate([np.zeros(0, bool), *maybe]))
                  if not os.pread(f.fileno(), int(starts[j + 1] - starts[j]), int(starts[j]))
                  .decode("utf-8", "replace").removeprefix("\ufeff").strip()]
     blank = np.asarray(blank, dtype=np.int64)
@@ -101,9 +111,11 @@ class Corpus:
 
     def _parse(self, i: int, raw: bytes) -> Passage:
         line_no = self.line_no(i)
+        raw = raw.split(b"\n", 1)[0]  # its own line: blank lines after it share its span (`scan_lines`)
         obj = parse_object(raw, self.path, line_no)
         if obj is None:
-            raise DataError(f"{self.path}:{line_no}: a line of only whitespace longer than {_SHORT} bytes; remove it")
+            raise DataError(f"{self.path}:{line_no}: a line of only whitespace where the scan found a passage: "
+                            "the file changed since it was opened; open it again")
         return passage_from_object(obj, self.path, line_no)
 
     def __getitem__(self, i) -> Passage:

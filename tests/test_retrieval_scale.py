@@ -58,6 +58,23 @@ def test_corpus_matches_read_corpus_and_names_bad_lines(tmp_path, toy_passages):
         Corpus(tmp_path / "c.jsonl.gz")
 
 
+@pytest.mark.parametrize("chunk", [1 << 26, 7, 1])  # the scan's read size: lines cut across reads
+def test_corpus_skips_every_blank_line_read_corpus_skips(tmp_path, monkeypatch, chunk):
+    """Whitespace-only lines of any length, Unicode whitespace too, are blank to both readers;
+    a line that only begins with spaces is a passage."""
+    import searchlite.corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "_CHUNK", chunk)
+    row = lambda i: json.dumps({"id": str(i), "contents": f'"T{i}"\ntext {i}'})  # noqa: E731
+    lines = [row(0), " " * 40, row(1), "\u00a0\t", row(2), "\u3000" * 9 + "\r", "\x1c", "   " + row(3), " ", row(4)]
+    p = tmp_path / "c.jsonl"
+    for end in ("", "\n"):
+        p.write_text("\n".join(lines) + end, encoding="utf-8")
+        want = read_corpus(p)
+        assert [x.id for x in want] == ["0", "1", "2", "3", "4"] and list(Corpus(p)) == want
+        assert Corpus(p).line_no(4) == 10
+
+
 def test_corpus_offsets_cache_follows_the_file(tmp_path):
     p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
     p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n')
