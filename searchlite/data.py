@@ -213,7 +213,8 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:
-        with gzip.GzipFile(fileobj=f, mode="wb") if path.name.endswith(".gz") else contextlib.nullcontext(f) as out:
+        gz = path.name.endswith(".gz")  # the header names the file, not its temporary name
+        with gzip.GzipFile(path.name[:-3], "wb", fileobj=f) if gz else contextlib.nullcontext(f) as out:
             for row in rows:
                 out.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from .protocol import TEMPLATE_DIR
 
 # verdict()'s readings; a "not" before the word flips it ("Not true.", "isn't true", "Not correct")
-_LABEL = re.compile(r"\W*true\s*/\s*false\s*:", re.I)  # an echoed "True/False:" before the verdict
+# an echoed label before the verdict: "True/False:", "True or False?", "[False|True] -", ...
+_LABEL = re.compile(r"\W*(?:true\s*(?:/|\||\bor\b)\s*false|false\s*(?:/|\||\bor\b)\s*true)\b\W*", re.I)
 _LEAD = re.compile(r"\W*(not\s+)?(true|false)\b", re.I)
 _TRUE_FALSE = re.compile(r"((?:\bnot|n't)\s+)?\b(true|false)\b", re.I)
 _FIRST_WORD = re.compile(r"\W*(not\s+)?(correct|right|yes|incorrect|wrong|no)\b", re.I)

@@ -512,6 +512,7 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("Paris is Paris, so it is false that they differ.</think>\nTrue", True),  # <think> was in the prompt
     ("True\nExplanation: the claim that they differ is false.", True),  # a verdict first, then its reasons
     ("Correct answer: Lyon, so False", False),
+    ("True or False? False", False), ("[True/False] - True", True), ("False/True: True", True),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
