@@ -44,6 +44,11 @@ from .config import ArgumentParser, ConfigError, HelpFormatter, resolve_path
 OPTIMIZERS = ("adamw", "adamw8bit")
 
 
+def is_adapter(path) -> bool:
+    """Whether `path` (a folder, `toy/` paths too) holds a LoRA adapter: a LoRA run's checkpoint."""
+    return (Path(resolve_path(str(path))) / "adapter_config.json").is_file()
+
+
 def check_levers(cfg) -> None:
     """Raise ConfigError for lever settings that cannot work, before any model is loaded."""
     if cfg.optimizer not in OPTIMIZERS:
@@ -55,7 +60,7 @@ def check_levers(cfg) -> None:
         raise ConfigError(f"--lora_rank must be >= 0 (0 = no LoRA), got {cfg.lora_rank}")
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora_rank needs peft: pip install peft (pip install -e '.[lora]')")
-    if cfg.lora_rank and (Path(resolve_path(cfg.model)) / "adapter_config.json").is_file():
+    if cfg.lora_rank and is_adapter(cfg.model):
         # a second adapter over a merged first one: its files would name the bare base and lose the first
         raise ConfigError(f"--model {cfg.model} is a LoRA adapter; to train a new adapter on it, merge it first "
                           f"(python -m searchlite.memory merge {cfg.model} --out DIR) and pass --model DIR")
@@ -66,7 +71,7 @@ def check_levers(cfg) -> None:
         from .models import find_checkpoint
 
         ckpt = find_checkpoint(cfg.out_dir)
-        has_adapter = ckpt is not None and (ckpt / "policy" / "adapter_config.json").is_file()
+        has_adapter = ckpt is not None and is_adapter(ckpt / "policy")
         if ckpt is not None and has_adapter != bool(cfg.lora_rank):
             what = "a LoRA adapter" if has_adapter else "full weights"
             raise ConfigError(f"--resume: {ckpt / 'policy'} holds {what} but --lora_rank is {cfg.lora_rank}; "
@@ -231,7 +236,7 @@ def main(argv=None) -> None:
     m.add_argument("--base", default="", help="base model folder or hub name; default: the one it was trained on")
     m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
-    if not (Path(args.adapter) / "adapter_config.json").is_file():
+    if not is_adapter(args.adapter):
         what = "holds full weights, not a LoRA adapter: use it as it is" if (
             Path(args.adapter) / "config.json").is_file() else "is not a folder with adapter_config.json"
         sys.exit(f"error: {args.adapter} {what}")

@@ -87,9 +87,9 @@ def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpoint
     adapter) loads as its base model with the adapter merged in (searchlite/memory.py)."""
     from transformers import AutoModelForCausalLM
 
-    if (Path(resolve_path(path)) / "adapter_config.json").is_file():
-        from .memory import load_merged
+    from .memory import is_adapter, load_merged
 
+    if is_adapter(path):
         model = load_merged(resolve_path(path), DTYPES[dtype]).to(device)
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[dtype]).to(device)
@@ -121,9 +121,9 @@ class Critic(nn.Module):
     def from_pretrained(cls, path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
         from transformers import AutoModel
 
-        if (Path(resolve_path(path)) / "adapter_config.json").is_file():  # a LoRA run's checkpoint
-            from .memory import load_merged  # the adapter merged in: AutoModel would attach it and freeze the rest
+        from .memory import is_adapter, load_merged
 
+        if is_adapter(path):  # the adapter merged in: AutoModel would attach it and freeze the rest
             backbone = load_merged(resolve_path(path), DTYPES[dtype]).base_model
         else:
             backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[dtype])
