@@ -29,7 +29,8 @@ from searchlite.data import DataError, Passage, parse_object, passage_from_objec
 _CHUNK = 1 << 26  # bytes read per step of the line scan
 # Bytes that can begin a character str.strip() removes (ASCII whitespace and "\n", \x1c-\x1f, and in
 # UTF-8 U+0085, U+00A0, U+1680, U+2000-U+205F, U+3000) or a BOM: the scan reads again only the lines
-# that begin with one, to find the blank ones (a JSON line begins with "{")
+# that begin with one, to find the blank ones (a JSON line begins with "{"). As in read_corpus, a BOM
+# is skipped on the first line only.
 _MAYBE_BLANK = np.zeros(256, bool)
 _MAYBE_BLANK[[*range(0x09, 0x0E), *range(0x1C, 0x21), 0xC2, 0xE1, 0xE2, 0xE3, 0xEF]] = True
 
@@ -61,7 +62,7 @@ def scan_lines(path, progress: bool = True):
     with open(path, "rb") as f:
         blank = [j for j in np.flatnonzero(np.concatenate([np.zeros(0, bool), *maybe]))
                  if not os.pread(f.fileno(), int(starts[j + 1] - starts[j]), int(starts[j]))
-                 .decode("utf-8", "replace").removeprefix("\ufeff").strip()]
+                 .decode("utf-8", "replace").removeprefix("\ufeff" if j == 0 else "").strip()]
     blank = np.asarray(blank, dtype=np.int64)
     return np.delete(starts, blank), blank - np.arange(len(blank))
 

@@ -75,6 +75,20 @@ def test_corpus_skips_every_blank_line_read_corpus_skips(tmp_path, monkeypatch, 
         assert Corpus(p).line_no(4) == 10
 
 
+def test_corpus_takes_a_bom_on_the_first_line_only_as_read_corpus_does(tmp_path):
+    """A BOM-only first line is blank to both readers; a BOM-only line further down is bad JSON
+    to both, named by its line (the scan used to skip it as blank wherever it stood)."""
+    row = lambda i: json.dumps({"id": str(i), "text": f"t{i}"})  # noqa: E731
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(["\ufeff", row(0), row(1)]) + "\n", encoding="utf-8")
+    assert [x.id for x in read_corpus(p)] == ["0", "1"] and list(Corpus(p)) == read_corpus(p)
+    p.write_text("\n".join([row(0), "\ufeff", row(1)]) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: bad JSON")):
+        read_corpus(p)
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: bad JSON")):
+        list(Corpus(p))
+
+
 def test_corpus_offsets_cache_follows_the_file(tmp_path):
     p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
     p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n')
