@@ -296,8 +296,7 @@ def main(argv=None) -> None:
         line = "  ".join(f"{k}: em {v['em']:.3f} searches {v['searches']:.2f}" for k, v in metrics.items())
         if dist.is_main():
             print(f"eval step {step}  {line}", flush=True)
-            (out / "eval").mkdir(exist_ok=True)  # every question's answer, trajectory and retrieved passages
-            (out / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            write_jsonl(out / "eval" / f"step_{step:06d}.jsonl", records)  # each answer, trajectory and passage
         return metrics
 
     start = 0
