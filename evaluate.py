@@ -185,7 +185,7 @@ def make_retriever(args):
         if not args.retriever_url:
             raise EvalError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000)")
         try:
-            check_server(args.retriever_url)
+            check_server(args.retriever_url, args.topk)
         except ConfigError as e:
             raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url)

@@ -351,45 +351,56 @@ class DenseRetriever(Retriever):
 # ---------------------------------------------------------------------------- HTTP
 
 
+_DOWN = (" Is the server running? Start one with `python retrieve.py serve --index INDEX --port 8000`, or "
+         "fix the URL.")
+_SLOW = (" The server accepted the request but did not answer in time: it is busy, or its index is slow for "
+         "this many queries (a flat dense index on a CPU); a GPU or IVF index, or fewer queries a request, helps.")
+
+
 class HTTPRetriever(Retriever):
     """Client for Search-R1's retrieval server (or `retrieve.py serve`): POST {url}/retrieve
     with `{"queries", "topk", "return_scores": true}`, at most `max_queries` queries a request;
     reads `{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`, or bare
     documents (score 0.0) when a server drops the wrapper. Connection errors, timeouts and
     5xx/429 answers are retried with exponential backoff (`backoff`, 2·backoff, ...); other
-    failures raise at once. Every error names the URL."""
+    failures raise at once. A timed-out request is retried with twice the timeout: the server
+    is still working on it, and a slow index is not made faster by asking again as impatiently.
+    Every error names the URL."""
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 1.0,
                  max_queries: int = 1024):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retrieval server URL {url!r} needs its scheme, e.g. http://{url.lstrip('/')}")
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
         self.timeout, self.retries, self.backoff, self.max_queries = timeout, retries, backoff, max_queries
 
     def _post(self, payload: dict) -> dict:
         data = json.dumps(payload).encode("utf-8")
-        cause, gone, t0 = None, False, time.monotonic()
+        cause, hint, t0, timeout = None, "", time.monotonic(), self.timeout
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
                     body = resp.read()
             except urllib.error.HTTPError as e:
-                cause, gone = f"HTTP {e.code}: {e.read()[:300].decode('utf-8', 'replace')}", False
+                cause, hint = f"HTTP {e.code}: {e.read()[:300].decode('utf-8', 'replace')}", ""
                 if e.code < 500 and e.code != 429:
                     break  # the request itself is wrong; retrying will not help
                 continue
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                cause, gone = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
+                if isinstance(e, TimeoutError):  # connected and sent; the answer is late (urllib wraps
+                    cause, hint = f"no answer within {timeout:g}s", _SLOW  # a connect timeout in URLError)
+                    timeout *= 2
+                else:
+                    cause, hint = f"{type(e).__name__}: {getattr(e, 'reason', e)}", _DOWN
                 continue
             try:
                 return json.loads(body)
             except json.JSONDecodeError as e:
                 raise RuntimeError(f"retrieval server {self.url} sent invalid JSON ({e.msg}): {body[:200]!r}") from None
-        hint = (" Is the server running? Start one with `python retrieve.py serve --index INDEX --port 8000`, or "
-                "fix the URL."
-                if gone else "")
         raise RuntimeError(f"retrieval server {self.url} failed after {attempt + 1} attempt(s): {cause} "
                            f"(gave up after {time.monotonic() - t0:.1f}s).{hint}")
 
@@ -482,14 +493,15 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     return DenseRetriever(passages, encoder, pooling=pooling, index=index, **kw)
 
 
-def check_server(url: str) -> None:
-    """Raise ConfigError if the retrieval server at `url` does not answer one search (10 s, no
-    retry), so that a run learns it before loading a model, not at its first rollout."""
+def check_server(url: str, topk: int = 1) -> None:
+    """Raise ConfigError if the retrieval server at `url` does not answer one search for `topk`
+    passages (10 s, no retry), so that a run learns it, or that the server refuses its topk,
+    before loading a model, not at its first rollout."""
     from searchlite.config import ConfigError
 
     try:
-        HTTPRetriever(url, timeout=10, retries=0).search(["test"], 1)
-    except RuntimeError as e:
+        HTTPRetriever(url, timeout=10, retries=0).search(["test"], topk)
+    except (RuntimeError, ValueError) as e:
         raise ConfigError(f"--retriever_url {url}: the retrieval server does not answer: {e}") from None
 
 
@@ -500,7 +512,7 @@ def config_retriever(cfg) -> Retriever:
     from searchlite.config import resolve_path
 
     if cfg.retriever == "http":
-        check_server(cfg.retriever_url)
+        check_server(cfg.retriever_url, cfg.topk)
     corpus = None if cfg.retriever == "http" else resolve_path(cfg.corpus)
     return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
                            index=cfg.index or None, url=cfg.retriever_url or None)

@@ -90,7 +90,10 @@ class JSONHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # a client that timed out has gone: nothing to answer
+            pass
 
     def log_message(self, *args):
         pass

@@ -5,6 +5,7 @@ import json
 import re
 import socket
 import threading
+import time
 from http.server import ThreadingHTTPServer
 
 import numpy as np
@@ -244,6 +245,7 @@ class _SearchR1Handler(JSONHandler):
         srv = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv.requests.append((self.path, body))
+        time.sleep(srv.delays.pop(0) if srv.delays else 0)
         if srv.status != 200 or srv.fail_first > 0:
             srv.fail_first -= 1
             return self.send_json(srv.status if srv.status != 200 else 500, {"detail": "boom"})
@@ -261,6 +263,7 @@ class _SearchR1Handler(JSONHandler):
 def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _SearchR1Handler)
     srv.index, srv.requests, srv.fail_first, srv.status, srv.wrap = BM25Retriever(CORPUS), [], 0, 200, True
+    srv.delays = []  # seconds each next request waits before its answer
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
@@ -306,6 +309,23 @@ def test_http_client_does_not_retry_client_errors(server):
     assert len(server.requests) == 1
 
 
+def test_http_client_waits_twice_as_long_for_a_slow_server(server):
+    """A timed-out request is still being searched: it is asked again with twice the timeout,
+    and the error, if it comes to that, says the server is slow, not that it is not running."""
+    server.delays = [0.6, 0.6]
+    out = HTTPRetriever(_url(server), timeout=0.4, retries=1, backoff=0.01).search(["what causes ocean tides"], k=1)
+    assert out[0][0].id == "v8" and len(server.requests) == 2  # 0.4 s was too short, 0.8 s was not
+    server.delays = [0.6, 0.6]
+    with pytest.raises(RuntimeError, match=r"no answer within 0\.2s .*did not answer in time") as err:
+        HTTPRetriever(_url(server), timeout=0.1, retries=1, backoff=0.01).search(["q"], k=1)
+    assert "Is the server running" not in str(err.value)
+
+
+def test_http_client_needs_a_url_scheme():
+    with pytest.raises(ValueError, match=re.escape("'localhost:8000' needs its scheme, e.g. http://localhost:8000")):
+        HTTPRetriever("localhost:8000")
+
+
 def test_http_client_dead_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -339,12 +359,13 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
 
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     cfg = SimpleNamespace(retriever="bm25", corpus=str(tmp_path / "c.jsonl"), encoder="", pooling="mean", index="",
-                          retriever_url="")
+                          retriever_url="", topk=5)
     assert config_retriever(cfg).search(["what causes ocean tides"], 1)[0][0].id == "v8"
     http = config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "corpus": "missing.jsonl",
                                                "retriever_url": _url(server)}))
     assert isinstance(http, HTTPRetriever) and http.url == _url(server) + "/retrieve"  # the corpus is not read
-    assert server.requests == [("/retrieve", {"queries": ["test"], "topk": 1, "return_scores": True})]  # the probe
+    assert server.requests == [("/retrieve", {"queries": ["test"], "topk": 5, "return_scores": True})]  # the probe,
+    # at the run's topk: a server that refuses it is named before a model loads
     server.fail_first = 1  # one failure: the probe does not retry, so a server that is down is named at once
     with pytest.raises(ConfigError, match=re.escape(f"--retriever_url {_url(server)}: the retrieval server does "
                                                     "not answer") + r".*HTTP 500"):
