@@ -30,7 +30,7 @@ class Rollout:
 
     input_ids: torch.Tensor  # (N, T) prompt + response ids, right-padded with pad_id
     attention_mask: torch.Tensor  # (N, T) 1 = real token
-    loss_mask: torch.Tensor  # (N, T) 1 = sampled by the policy
+    loss_mask: torch.Tensor  # (N, T) 1 = in the loss: sampled by the policy (and passages if not mask_retrieved)
     prompt_len: torch.Tensor  # (N,) tokens of the prompt
     searches: torch.Tensor  # (N,) valid search calls made
     turns: torch.Tensor  # (N,) generate calls made

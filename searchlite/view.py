@@ -4,8 +4,9 @@
     python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts (toy template)
 
 Each trajectory shows its reward, gold answers, searches and turns; the response is split
-at every change of `loss_mask`, so tokens the policy sampled (trained on) and tokens it
-did not (retrieved passages, injected messages) get different colours. The prompt is folded.
+at every change of `loss_mask`, so the tokens trained on (those the policy sampled) and the
+rest (retrieved passages, injected messages) get different colours; with `mask_retrieved`
+false, Search-R1's ablation, passages are trained on and coloured so. The prompt is folded.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .config import ArgumentParser, HelpFormatter
+from .config import ArgumentParser, HelpFormatter, at_least
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
@@ -41,8 +42,8 @@ def segments(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
 def render(ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 0) -> str:
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>{STYLE}</style>",
              f"<h2>{html.escape(title)}</h2>",
-             "<p class='legend'><span class='policy'>sampled by the policy (loss_mask 1)</span>"
-             "<span class='other'>retrieved or injected (loss_mask 0)</span></p>"]
+             "<p class='legend'><span class='policy'>in the loss (loss_mask 1): sampled by the policy</span>"
+             "<span class='other'>not in the loss (loss_mask 0): retrieved or injected</span></p>"]
     n = len(ro) if not limit else min(limit, len(ro))
     for i in range(n):
         length = int(ro.attention_mask[i].sum())
@@ -79,9 +80,9 @@ def main(argv=None) -> None:
     ap.add_argument("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp")
     ap.add_argument("--template", default="toy", help="prompt template: a file with {question}, or a set name "
                     "(toy = templates/toy_<protocol>.txt, the toy model's); '' = the paper's, for real models")
-    ap.add_argument("--n", type=int, default=8, help="number of questions")
-    ap.add_argument("--topk", type=int, default=3, help="passages per search")
-    ap.add_argument("--max_turns", type=int, default=4, help="search budget")
+    ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
+    ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
+    ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--out", default="trajectories.html", help="output HTML file")

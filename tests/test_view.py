@@ -3,6 +3,7 @@
 import html
 import re
 
+import pytest
 from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
 
 from searchlite.protocol import get_protocol
@@ -45,3 +46,24 @@ def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
     toy = (TEMPLATE_DIR / "toy_search_r1.txt").read_text().split("{question}")[0]
     paper = (TEMPLATE_DIR / "search_r1.txt").read_text().split("{question}")[0]
     assert page.count(html.escape(toy)) == 2 and html.escape(paper) not in page
+
+
+def test_unmasked_passages_are_shown_as_trained_on(byte_tokenizer):
+    """With mask_retrieved false (Search-R1's ablation) passages are in the loss: the page colours
+    them as trained on, and its legend says colour means "in the loss", not "sampled"."""
+    tok, protocol = byte_tokenizer, get_protocol("search_r1")
+    ro = rollout(ScriptedSampler(tok, SCRIPTS), FakeRetriever(), tok, protocol, ["q-search"], topk=2, max_turns=2,
+                 mask_retrieved=False)
+    page = render(ro, tok, [1.0], [["Paris"]])
+    legend, body = page.split("</p>", 1)
+    policy = [html.unescape(s) for s in re.findall(r"<span class='policy'>(.*?)</span>", body, re.S)]
+    assert any("Doc 1(Title: T0) about france capital 0" in s for s in policy)
+    assert "in the loss (loss_mask 1)" in legend and "not in the loss (loss_mask 0)" in legend
+
+
+def test_the_command_refuses_no_questions(capsys):
+    from searchlite.view import main
+
+    with pytest.raises(SystemExit):
+        main(["--n", "0"])
+    assert "argument --n: must be at least 1, got 0" in capsys.readouterr().err
