@@ -41,6 +41,9 @@ def make(args):
         return load_index(args.index, corpus, kind=kind, **kw)
     if args.index and not os.path.exists(args.index):
         raise FileNotFoundError(f"no index folder or FAISS file at {args.index}")
+    if args.index and kind in ("bm25", "rank_bm25"):  # else the file was ignored and BM25 built in memory
+        raise ValueError(f"--index {args.index} is a file: a --kind {kind} index must be a folder written by "
+                         "`retrieve.py build` (a FAISS file is read with --kind dense)")
     if args.index and not corpus:
         raise ValueError(f"--index {args.index} is a FAISS file: give --corpus, the corpus it was built over")
     kind = kind or ("dense" if args.index else "bm25")  # a FAISS file means dense
@@ -113,26 +116,33 @@ def main(argv=None) -> None:
             a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
             a("--port", type=int, default=8000, help="port to listen on")
             a("--max_queries", type=int, default=4096, help="queries per request at most")
+            a("--topk", type=int, default=3, help="passages per query for a request that sends no topk, null or 0 "
+              "(Search-R1's server does the same with its --topk)")
             a("--max_query_chars", type=int, default=HTTP_QUERY_CHARS,
-              help="characters per query at most (searchlite's client cuts its queries to the default)")
+              help="a longer query is cut to this many characters (searchlite's client cuts its queries to "
+                   "the default)")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
         sys.exit(f"error: --corpus {args.corpus}: no such file")
+    if args.cmd == "query" and args.k < 1:
+        sys.exit(f"error: --k must be a positive integer, got {args.k}")
+    if args.cmd == "serve":  # before the index loads, which takes minutes on wiki-18
+        try:
+            from searchlite.server import MAX_TOPK, serve
+        except ImportError as e:
+            sys.exit(f"error: serving needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'")
+        if not 1 <= args.topk <= MAX_TOPK:
+            sys.exit(f"error: --topk must be 1..{MAX_TOPK}, got {args.topk}")
     try:
         if args.cmd == "build":
             return build(args)
         t0 = time.time()
         retriever = make(args)
         if args.cmd == "serve":
-            try:
-                from searchlite.server import serve
-            except ImportError as e:
-                sys.exit(f"error: serving needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'")
-
             print(f"loaded {type(retriever).__name__} in {time.time() - t0:.1f}s; serving http://{args.host}:{args.port}"
                   "/retrieve (schema at /docs)", flush=True)
-            return serve(retriever, args.host, args.port, max_queries=args.max_queries,
+            return serve(retriever, args.host, args.port, default_topk=args.topk, max_queries=args.max_queries,
                          max_query_chars=args.max_query_chars, batch_wait=args.batch_wait_ms / 1000)
         for query, hits in zip(args.queries, retriever.search(args.queries, args.k)):
             print(f"query: {query}")

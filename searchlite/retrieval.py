@@ -35,7 +35,7 @@ from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
 from searchlite.data import replace_durably, split_contents, write_durably
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
-HTTP_QUERY_CHARS = 4096  # the longest query searchlite's server takes (server.make_app); Search-R1's takes any
+HTTP_QUERY_CHARS = 4096  # searchlite's server cuts longer queries (server.make_app); Search-R1's takes any
 
 
 @dataclass

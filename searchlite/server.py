@@ -8,26 +8,39 @@
 best first; without `return_scores` the lists hold bare documents, as Search-R1's server
 answers. Search-R1's client and searchlite's HTTPRetriever both work against it.
 
-Requests are validated against the schema served at /openapi.json: `topk` 1..100, at most
-`max_queries` queries of at most `max_query_chars` characters each, unknown fields ignored;
-anything else is answered 422 with a one-line `detail` naming the field (400 for a body that
-is not UTF-8, 413 for one over `max_body_bytes`). Concurrent requests are batched: one loop takes every request that
-arrives within `batch_wait` seconds of the first (up to `max_batch` queries), runs a single
-`retriever.search` over all their queries with the largest topk among them, in a worker
-thread, and hands each request its share; that is one encoder pass and one FAISS search
-instead of one per request. Left out on purpose: authentication and TLS; the server binds
-127.0.0.1 unless told otherwise.
+Requests are validated against the schema served at /openapi.json: at most `max_queries`
+queries, `topk` 0..100, unknown fields ignored; anything else is answered 422 with a one-line
+`detail` naming the field (400 for a body that is not UTF-8, 413 for one over
+`max_body_bytes`, 411 for one sent without a Content-Length). Concurrent requests are batched:
+one loop takes every request that arrives within `batch_wait` seconds of the first (up to
+`max_batch` queries), runs a single `retriever.search` over all their queries, once per topk
+among them, in a worker thread, and hands each request its share; that is one encoder pass
+and one FAISS search instead of one per request. The answer is turned into JSON in a worker
+thread too, so a large one does not stall other requests. Left out on purpose:
+authentication and TLS; the server binds 127.0.0.1 unless told otherwise.
+
+Where it differs from Search-R1's server (search_r1/search/retrieval_server.py):
+- `document` is `{"id", "contents"}` only, rebuilt from the parsed passage: `id` is always a
+  string (a corpus line without one gets its line index) and `contents` is `"Title"\\nText`;
+  a corpus record whose `contents` lacks that form (no title line, an unquoted title) comes
+  back in that form. Search-R1 answers the corpus record as stored, every field of it.
+- A query longer than `max_query_chars` is cut to that many characters (Search-R1 takes any
+  length); more than `max_queries` queries a request is a 422 (Search-R1 has no bound).
+- `topk` must be a JSON integer (3 or 3.0; Search-R1's pydantic also takes "3" and true);
+  a missing, null or 0 topk gets `default_topk`, as Search-R1's `if not request.topk` does.
+- Errors are one-line strings in `detail` (FastAPI's default, which Search-R1 keeps, is a
+  list of objects), and a request must carry a Content-Length (Search-R1 takes chunked ones).
 """
 
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
-from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from searchlite.data import Passage
 from searchlite.retrieval import HTTP_QUERY_CHARS
@@ -59,13 +72,22 @@ class Health(BaseModel):
 
 
 class Batcher:
-    """Queues (queries, k) jobs from request handlers; `run` answers them in merged batches."""
+    """Queues (queries, k) jobs from request handlers; `run` answers them in merged batches of
+    at most `max_batch` queries (a single larger job runs alone)."""
 
     def __init__(self, retriever, wait: float, max_batch: int):
         self.retriever, self.wait, self.max_batch = retriever, wait, max_batch
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending = None  # a job that did not fit in the last batch: it leads the next one (FIFO)
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start `run` on the running event loop unless it is running already."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self.run())
 
     async def search(self, queries: list[str], k: int) -> list:
+        self.start()  # an app mounted inside another one never sees its own lifespan start
         fut = asyncio.get_running_loop().create_future()
         await self.queue.put((queries, k, fut))
         return await fut
@@ -73,12 +95,18 @@ class Batcher:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            jobs = [await self.queue.get()]
+            if self.pending is None:
+                self.pending = await self.queue.get()
+            jobs, self.pending = [self.pending], None
             await asyncio.sleep(self.wait)  # let concurrent requests join this batch
             size = len(jobs[0][0])
-            while size < self.max_batch and not self.queue.empty():
-                jobs.append(self.queue.get_nowait())
-                size += len(jobs[-1][0])
+            while self.pending is None and not self.queue.empty():
+                job = self.queue.get_nowait()
+                if size + len(job[0]) > self.max_batch:
+                    self.pending = job  # too many queries for this batch
+                else:
+                    jobs.append(job)
+                    size += len(job[0])
             by_k: dict[int, list] = {}  # one search per topk: the best 5 cut to 3 need not be the best 3 (ties)
             for job in jobs:
                 by_k.setdefault(job[1], []).append(job)
@@ -102,61 +130,87 @@ def _document(h) -> dict:
     return {"id": h.id, "contents": Passage(h.id, h.title, h.text).contents}
 
 
-def make_app(retriever, *, max_queries: int = 4096, max_query_chars: int = HTTP_QUERY_CHARS,
+def _answer(found: list, return_scores: bool) -> bytes:
+    """The JSON body of an answer, written as Starlette's JSONResponse writes it. Built by hand:
+    validating 10^5 hits against RetrieveResponse is slow."""
+    if return_scores:
+        result = [[{"document": _document(h), "score": h.score} for h in hits] for hits in found]
+    else:
+        result = [[_document(h) for h in hits] for hits in found]
+    return json.dumps({"result": result}, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_query_chars: int = HTTP_QUERY_CHARS,
              max_body_bytes: int = 64 << 20, batch_wait: float = 0.005, max_batch: int = 4096) -> FastAPI:
-    """The FastAPI app serving `retriever` with these request bounds and batching settings."""
+    """The FastAPI app serving `retriever` with these request bounds and batching settings;
+    `default_topk` answers a request that sends no topk, null or 0."""
+    if not 1 <= default_topk <= MAX_TOPK:
+        raise ValueError(f"default_topk must be 1..{MAX_TOPK}, got {default_topk}")
 
     class RetrieveRequest(BaseModel):
         model_config = ConfigDict(extra="ignore")  # Search-R1's clients may send more fields
-        queries: list[Annotated[str, StringConstraints(max_length=max_query_chars)]] = Field(
-            max_length=max_queries, description=f"at most {max_queries} queries of at most {max_query_chars} characters")
-        topk: int = Field(3, ge=1, le=MAX_TOPK, description="passages per query")
-        return_scores: bool = Field(False, strict=True, description="wrap each document with its score")
+        queries: list[str] = Field(max_length=max_queries, description=f"at most {max_queries} queries; one over "
+                                   f"{max_query_chars} characters is cut to its first {max_query_chars}")
+        topk: int | None = Field(None, ge=0, le=MAX_TOPK, description="passages per query; missing, null or 0: "
+                                 f"the server's default ({default_topk}), as Search-R1's server does")
+        return_scores: bool = Field(False, description="wrap each document with its score")
 
         @field_validator("topk", mode="before")
         @classmethod
         def json_integer(cls, v):
-            """A JSON Schema integer: 3 or 3.0, not "3" or true (pydantic's lax mode takes those)."""
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+            """A JSON Schema integer or null: 3 or 3.0, not "3", true, NaN or Infinity."""
+            if isinstance(v, float) and v.is_integer():  # False for NaN and Infinity
+                v = int(v)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError("Input should be a valid integer")
-            return int(v)
+            return v
 
     batcher = Batcher(retriever, batch_wait, max_batch)
 
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(batcher.run())
+        batcher.start()
         yield
-        task.cancel()
+        batcher.task.cancel()
 
     app = FastAPI(title="searchlite retrieval", version="1", lifespan=lifespan,
                   description="Search-R1-compatible retrieval: POST /retrieve")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        msgs = [f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+        msgs = []
+        for e in exc.errors():
+            field = ".".join(str(x) for x in e["loc"][1:])
+            if field:
+                msgs.append(f"{field}: {e['msg']}")
+            else:  # the body as a whole: not a JSON object, or none
+                msgs.append(f"body: {e['msg']} (send a JSON object with Content-Type: application/json)")
         return JSONResponse({"detail": "; ".join(msgs)}, status_code=422)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length", "0")
-        if not size.isdigit() or int(size) > max_body_bytes:
+        size = request.headers.get("content-length")
+        # A chunked body announces no size, so it could not be held to max_body_bytes: refuse it
+        # (Search-R1's client, requests with json=, and HTTPRetriever always send a Content-Length).
+        if "transfer-encoding" in request.headers or (request.method == "POST" and size is None):
+            return JSONResponse({"detail": "a Content-Length header is required (no chunked bodies)"},
+                                status_code=411)
+        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
             return JSONResponse({"detail": f"request body over {max_body_bytes} bytes"}, status_code=413)
         return await call_next(request)
 
-    errors = {code: {"model": ErrorResponse} for code in (400, 413, 422, 500)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 411, 413, 422, 500)}
 
     @app.post("/retrieve", response_model=RetrieveResponse, responses=errors)
     async def retrieve(req: RetrieveRequest):
+        queries = [q[:max_query_chars] for q in req.queries]  # cut, not refused: Search-R1's client has no limit
         try:
-            found = await batcher.search(req.queries, req.topk) if req.queries else []
+            found = await batcher.search(queries, req.topk or default_topk) if queries else []
         except Exception as e:
             return JSONResponse({"detail": f"search failed: {type(e).__name__}: {e}"}, status_code=500)
-        if req.return_scores:
-            result = [[{"document": _document(h), "score": h.score} for h in hits] for hits in found]
-        else:
-            result = [[_document(h) for h in hits] for hits in found]
-        return JSONResponse({"result": result})  # built by hand: validating 10^5 hits per answer is slow
+        # In a worker thread: a 57 MB answer took 2 s to write, and on the event loop it held up every request.
+        body = await asyncio.get_running_loop().run_in_executor(None, _answer, found, req.return_scores)
+        return Response(content=body, media_type="application/json")
 
     @app.get("/health", response_model=Health)
     async def health():
@@ -166,8 +220,8 @@ def make_app(retriever, *, max_queries: int = 4096, max_query_chars: int = HTTP_
     return app
 
 
-def serve(retriever, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(retriever, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
+    """Run the app with uvicorn until interrupted; `settings` go to make_app."""
     import uvicorn
 
-    uvicorn.run(make_app(retriever, **limits), host=host, port=port, access_log=False)
+    uvicorn.run(make_app(retriever, **settings), host=host, port=port, access_log=False)

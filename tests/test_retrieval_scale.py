@@ -471,13 +471,14 @@ def running(app):
 
 
 class CountingRetriever:
-    """A BM25 retriever that counts `search` calls (how batching shows)."""
+    """A BM25 retriever that counts `search` calls (how batching shows) and keeps the last queries."""
 
     def __init__(self, passages):
-        self.inner, self.calls, self.passages = BM25Retriever(passages), [], passages
+        self.inner, self.calls, self.passages, self.queries = BM25Retriever(passages), [], passages, []
 
     def search(self, queries, k):
         self.calls.append(len(queries))
+        self.queries = queries
         return self.inner.search(queries, k)
 
 
@@ -528,12 +529,11 @@ def test_merged_requests_with_different_topk_get_what_each_would_alone(toy_passa
     q = next(n for n in names if r.inner.search([n], 5)[0][:3] != r.inner.search([n], 3)[0])  # a tie at the cut
 
     async def both():
-        batcher = Batcher(r, wait=0.05, max_batch=4096)
-        task = asyncio.create_task(batcher.run())
+        batcher = Batcher(r, wait=0.05, max_batch=4096)  # its first search starts it
         try:
             return await asyncio.gather(batcher.search([q], 3), batcher.search([q, QUERIES[0]], 5))
         finally:
-            task.cancel()
+            batcher.task.cancel()
 
     r.calls.clear()
     three, five = asyncio.run(both())
@@ -555,14 +555,19 @@ def test_our_client_never_sends_our_server_a_query_it_refuses(toy_passages):
 
 @pytest.mark.parametrize("body, field", [
     ({"queries": ["a"], "topk": 101}, "topk: Input should be less than or equal to 100"),
-    ({"queries": ["a"], "topk": 0}, "topk"),
-    ({"queries": ["a"], "topk": "3"}, "topk"),
+    ({"queries": ["a"], "topk": -1}, "topk: Input should be greater than or equal to 0"),
+    ({"queries": ["a"], "topk": "3"}, "topk: Value error, Input should be a valid integer"),
+    ({"queries": ["a"], "topk": 2.5}, "topk: Value error, Input should be a valid integer"),
+    ({"queries": ["a"], "topk": float("nan")}, "topk: Value error, Input should be a valid integer"),
+    ({"queries": ["a"], "topk": float("inf")}, "topk: Value error, Input should be a valid integer"),  # was a 500
+    ({"queries": ["a"], "topk": float("-inf")}, "topk: Value error, Input should be a valid integer"),
+    ({"queries": ["a"], "return_scores": "maybe"}, "return_scores: Input should be a valid boolean"),
     ({"queries": ["a"] * 65}, "queries: List should have at most 64 items"),
-    ({"queries": ["a", "x" * 501]}, "queries.1: String should have at most 500 characters"),
     ({"queries": "one string"}, "queries"),
     ({"queries": [3]}, "queries.0"),
     ({"topk": 3}, "queries: Field required"),
-    ([1, 2], "body"),
+    ([1, 2], "body: Input should be a valid dictionary or object to extract fields from "
+             "(send a JSON object with Content-Type: application/json)"),
 ])
 def test_bad_requests_get_422_naming_the_field(served, body, field):
     code, reply = _post(served[0], json.dumps(body).encode())
@@ -577,6 +582,139 @@ def test_malformed_json_and_oversized_body(served):
     with running(make_app(BM25Retriever(read_corpus(TOY)[:5]), max_body_bytes=100)) as url:
         code, reply = _post(url, json.dumps({"queries": ["x" * 200]}).encode())
     assert code == 413 and "100 bytes" in reply["detail"]
+
+
+def test_a_batch_holds_at_most_max_batch_queries_in_arrival_order(toy_passages):
+    """The batcher took one more request whenever the batch was under max_batch, so a batch
+    reached almost twice that; a request that does not fit now leads the next batch."""
+    import asyncio
+
+    from searchlite.server import Batcher
+
+    r = CountingRetriever(toy_passages)
+    jobs = [QUERIES[0:3], QUERIES[3:6], QUERIES[6:7], QUERIES[0:5], QUERIES[7:9]]  # 3, 3, 1, 5, 2 queries
+
+    async def all_jobs():
+        batcher = Batcher(r, wait=0.01, max_batch=4)
+        try:
+            return await asyncio.gather(*(batcher.search(qs, 2) for qs in jobs))
+        finally:
+            batcher.task.cancel()
+
+    found = asyncio.run(all_jobs())
+    assert found == [r.inner.search(qs, 2) for qs in jobs]
+    assert r.calls == [3, 3 + 1, 5, 2]  # a request over max_batch runs alone
+
+
+def test_an_app_mounted_in_another_answers(toy_passages):
+    """Starlette runs no lifespan of a mounted app: the batcher never started and /retrieve hung."""
+    from fastapi import FastAPI
+
+    from searchlite.server import make_app
+
+    r = BM25Retriever(toy_passages)
+    outer = FastAPI()
+    outer.mount("/search", make_app(r))
+    with running(outer) as url:
+        code, reply = _post(url + "/search", json.dumps({"queries": [QUERIES[0]], "topk": 2}).encode())
+    expected = [[passage_to_dict(Passage(h.id, h.title, h.text)) for h in r.search([QUERIES[0]], 2)[0]]]
+    assert (code, reply) == (200, {"result": expected})
+
+
+def test_missing_null_or_zero_topk_gets_the_default_as_in_search_r1(toy_passages):
+    """Search-R1's server does `if not request.topk: request.topk = config.retrieval_topk` and
+    reads return_scores in pydantic's lax mode ("true", 1, ...); its clients may lean on both."""
+    from searchlite.server import make_app
+
+    r = CountingRetriever(toy_passages)
+    q = QUERIES[0]
+    two, five = [[h.id for h in r.inner.search([q], k)[0]] for k in (2, 5)]
+    assert len(five) == 5
+    with running(make_app(r, default_topk=2)) as url:
+        for extra, ids in (({}, two), ({"topk": None}, two), ({"topk": 0}, two), ({"topk": 5}, five),
+                           ({"topk": 5.0}, five)):
+            code, reply = _post(url, json.dumps({"queries": [q], **extra}).encode())
+            assert code == 200 and [d["id"] for d in reply["result"][0]] == ids, extra
+        for flag, keys in ((True, {"document", "score"}), ("true", {"document", "score"}), (1, {"document", "score"}),
+                           ("yes", {"document", "score"}), (False, {"id", "contents"}), ("false", {"id", "contents"}),
+                           (0, {"id", "contents"})):
+            code, reply = _post(url, json.dumps({"queries": [q], "return_scores": flag}).encode())
+            assert code == 200 and [set(item) for item in reply["result"][0]] == [keys, keys], flag
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match=f"default_topk must be 1..100, got {bad}"):
+            make_app(r, default_topk=bad)
+
+
+def test_a_query_over_max_query_chars_is_cut_not_refused(served):
+    """Search-R1's client sends queries of any length, and a 422 crashes it (KeyError 'result')."""
+    url, r = served  # max_query_chars=500
+    long = (QUERIES[2] + " ") * 40
+    code, reply = _post(url, json.dumps({"queries": [long, QUERIES[1]], "topk": 2}).encode())
+    assert len(long) > 500 and r.queries == [long[:500], QUERIES[1]]
+    expected = r.inner.search([long[:500], QUERIES[1]], 2)
+    assert code == 200 and [[d["id"] for d in docs] for docs in reply["result"]] == [[h.id for h in hits]
+                                                                                      for hits in expected]
+
+
+def test_a_body_without_content_length_gets_411(toy_passages):
+    """A chunked upload announces no size, so the max_body_bytes check never saw it."""
+    import http.client
+
+    from searchlite.server import make_app
+
+    body = json.dumps({"queries": ["x" * 200]}).encode()
+    with running(make_app(BM25Retriever(toy_passages[:5]), max_body_bytes=100)) as url:
+        host = url.removeprefix("http://")
+        conn = http.client.HTTPConnection(host, timeout=5)
+        conn.request("POST", "/retrieve", body=iter([body[:100], body[100:]]),  # an iterable is sent chunked
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())) == (
+            411, {"detail": "a Content-Length header is required (no chunked bodies)"})
+        conn.close()
+        conn = http.client.HTTPConnection(host, timeout=5)
+        conn.putrequest("POST", "/retrieve")  # no body, no Content-Length
+        conn.endheaders()
+        assert conn.getresponse().status == 411
+        conn.close()
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert (resp.status, json.loads(resp.read())) == (200, {"status": "ok", "passages": 5})
+        assert _post(url, b'{"queries": []}') == (200, {"result": []})  # a Content-Length under the limit
+
+
+def test_a_large_answer_is_written_off_the_event_loop():
+    """A 57 MB answer was turned into JSON on the event loop and held /health up for 2 s. Here
+    writing the answer blocks until /health has answered; the bytes are JSONResponse's."""
+    from searchlite.server import make_app
+
+    writing, health_answered = threading.Event(), threading.Event()
+
+    class SlowHit:  # its text is read while the answer is written
+        id, title, score = "7", "Zürich", 1.5
+
+        @property
+        def text(self):
+            writing.set()
+            health_answered.wait(3)
+            return "Zürich is a city."
+
+    class SlowRetriever:
+        def search(self, queries, k):
+            return [[SlowHit()] for _ in queries]
+
+    body = json.dumps({"queries": ["city"], "topk": 1, "return_scores": True}).encode()
+    with running(make_app(SlowRetriever())) as url, ThreadPoolExecutor(1) as pool:
+        req = urllib.request.Request(url + "/retrieve", data=body, headers={"Content-Type": "application/json"})
+        answer = pool.submit(urllib.request.urlopen, req, timeout=10)
+        assert writing.wait(5)
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            assert resp.status == 200
+        health_answered.set()
+        with answer.result() as resp:
+            assert resp.headers["Content-Type"] == "application/json"
+            doc = {"id": "7", "contents": '"Zürich"\nZürich is a city.'}
+            expected = {"result": [[{"document": doc, "score": 1.5}]]}
+            assert resp.read() == json.dumps(expected, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def test_concurrent_requests_share_one_search(served):
