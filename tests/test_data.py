@@ -196,3 +196,11 @@ def test_processes_writing_one_file_at_once_each_finish(tmp_path):
     assert errors.empty(), errors.get()
     data = path.read_bytes()
     assert len(data) == 200_000 and len(set(data)) == 1 and list(tmp_path.iterdir()) == [path]
+
+
+def test_read_qa_refuses_a_repeated_id_only_when_asked(tmp_path):
+    """Evaluation keys its records by id; a training set merged from two may repeat one."""
+    p = _write_lines(tmp_path / "q.jsonl", [GOOD_Q, "", GOOD_Q.replace('"q?"', '"other?"')])
+    assert [q.question for q in read_qa(p)] == ["q?", "other?"]
+    with pytest.raises(DataError, match=re.escape(f"{p}:3: duplicate id '1' (first on line 1)")):
+        read_qa(p, unique_ids=True)

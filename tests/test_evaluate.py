@@ -317,6 +317,127 @@ def test_a_resume_refuses_another_file_under_a_set_name_it_holds(world, tmp_path
     assert json.loads((out / "run.json").read_text())["data"].keys() == {"alpha", "beta"}
 
 
+def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
+    """Retraining into the same folder, or editing a gold answer or the corpus, keeps every path:
+    the fingerprints (weights and corpus: size + mtime_ns; a QA file: sha256) tell the records apart.
+    An older run.json without them (and with a relative model path) still resumes."""
+    import hashlib
+    import os
+    import shutil
+
+    out, model, data, corpus = tmp_path / "out", tmp_path / "model", tmp_path / "alpha.jsonl", tmp_path / "corpus.jsonl"
+    shutil.copytree(world / "model", model)
+    shutil.copy(world / "alpha.jsonl", data)
+    shutil.copy(world / "corpus.jsonl", corpus)
+    args = cli(world, out, "--model", str(model), "--data", str(data), "--corpus", str(corpus), "--methods", "direct")
+    evaluate.main(args)
+    assert "reusing" not in capsys.readouterr().out
+    evaluate.main(args)
+    assert f"reusing 5 finished answers from {out / 'records.jsonl'}\n" in capsys.readouterr().out
+    text = data.read_text()
+    data.write_text(text.replace('"river 0"', '"river 9"', 1))  # a gold answer corrected in place
+    with pytest.raises(SystemExit, match=rf"other settings \(--data alpha: {re.escape(str(data.resolve()))} changed "
+                                         r"since its records were made\)"):
+        evaluate.main(args)
+    data.write_text(text)  # the same bytes again
+    evaluate.main(args)
+    evaluate.main([*args, "--data", str(world / "beta.jsonl")])  # another set joins: alpha's fingerprint stays
+    assert json.loads((out / "run.json").read_text())["data_sha256"].keys() == {"alpha", "beta"}
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # retrained into the same folder
+    with pytest.raises(SystemExit, match=rf"other settings \(the model's weights changed: model.safetensors in "
+                                         rf"{re.escape(str(model.resolve()))}\)"):
+        evaluate.main(args)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"id": "99", "contents": '"Town 99"\nTown 99 lies on river 9.'}) + "\n")
+    with pytest.raises(SystemExit, match=rf"other settings \(the corpus {re.escape(str(corpus.resolve()))} changed "
+                                         r"\(size or modification time\)\)"):
+        evaluate.main(args)
+    # an older run.json: no fingerprints, the model as it was spelled; its records are taken on trust
+    saved = json.loads((out / "run.json").read_text())
+    old = {k: v for k, v in saved.items() if k not in ("model_files", "corpus_file", "data_sha256")}
+    (out / "run.json").write_text(json.dumps(old | {"model": os.path.relpath(model)}))
+    evaluate.main(args)
+    assert "reusing 5 finished answers" in capsys.readouterr().out
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["data_sha256"] == {"alpha": hashlib.sha256(data.read_bytes()).hexdigest()}
+    assert saved["corpus_file"] == {str(corpus.resolve()): [corpus.stat().st_size, corpus.stat().st_mtime_ns]}
+    assert saved["model_files"] == {"model.safetensors": [st.st_size, st.st_mtime_ns]}
+
+
+def test_one_model_spelled_two_ways_resumes(world, tmp_path, monkeypatch, capsys):
+    out, beta = tmp_path / "out", str(world / "beta.jsonl")
+    evaluate.main(cli(world, out, "--methods", "direct", "--data", beta))
+    monkeypatch.chdir(world)
+    evaluate.main(cli(world, out, "--methods", "direct", "--data", beta, "--model", "./model/"))
+    assert f"reusing 3 finished answers from {out / 'records.jsonl'}" in capsys.readouterr().out
+    assert json.loads((out / "run.json").read_text())["model"] == str((world / "model").resolve())
+
+
+def test_an_empty_qa_file_is_refused_before_the_model_loads(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")  # blank lines only
+    for data in (f"{empty},{world / 'beta.jsonl'}", str(empty)):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(cli(world, tmp_path / "o", "--data", data))
+        assert e.value.code == f"error: QA file {empty} holds no questions"
+    assert not (tmp_path / "o").exists()
+
+
+def test_duplicate_ids_in_a_qa_file_are_named_with_their_lines(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    dup = tmp_path / "dup.jsonl"
+    row = lambda i, q: json.dumps({"id": i, "question": q, "golden_answers": ["x"]})  # noqa: E731
+    dup.write_text(f"{row('a', 'q1')}\n\n{row('b', 'q2')}\n{row('a', 'q3')}\n")  # line 2 is blank
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(cli(world, tmp_path / "o", "--data", f"{world / 'beta.jsonl'},{dup}"))
+    assert e.value.code == f"error: {dup}:4: duplicate id 'a' (first on line 1)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_without_a_checkpoint_yet_says_so(world, tmp_path):
+    run = tmp_path / "toy-grpo"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"algo": "grpo", "model": "toy/model", "protocol": "search_r1",
+                                                 "template": "toy"}))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(cli(world, tmp_path / "o", "--model", str(run)))
+    assert e.value.code == (f"error: --model {run}: this train.py run has no trained policy yet "
+                            f"(no {run / 'checkpoint' / 'policy'}); evaluate it after its first checkpoint")
+    (run / "checkpoint.old" / "policy").mkdir(parents=True)  # a save that died mid-rename keeps the last one
+    (run / "checkpoint.old" / "policy" / "config.json").write_text("{}")
+    assert evaluate.resolve_model(str(run)) == ("hf", str(run / "checkpoint.old" / "policy"))
+
+
+def test_run_json_and_table_are_written_durably(world, tmp_path, monkeypatch):
+    from searchlite.data import write_durably
+
+    written = []
+
+    def spy(path, write, mode="wb"):
+        written.append((path.name, mode))
+        write_durably(path, write, mode)
+
+    monkeypatch.setattr(evaluate, "write_durably", spy)
+    out = tmp_path / "out"
+    args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
+    evaluate.main(args)
+    assert written == [("run.json", "w"), ("results.json", "w"), ("table.md", "w")]
+    assert json.loads((out / "run.json").read_text())["topk"] == 3
+    assert (out / "table.md").read_text().startswith("| data | method |")
+    for damaged, why in (("", "Expecting value: line 1 column 1 (char 0)"), ("[]", "not a JSON object")):
+        (out / "run.json").write_text(damaged)
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(args)
+        assert e.value.code == (f"error: {out / 'run.json'} is damaged ({why}); delete it to resume without "
+                                "checking the settings, or pass --overwrite to start over")
+    evaluate.main([*args, "--overwrite"])
+    assert json.loads((out / "run.json").read_text())["topk"] == 3
+
+
 # ---------------------------------------------------------------------------- errors
 
 
