@@ -19,6 +19,11 @@ checks that the reference scored after a CPU round trip (`--ref_offload`'s path)
 log-probs as on the device. Tokens/s: rollout = tokens the policy sampled / rollout seconds
 (generation and retrieval); update = trajectory tokens (prompt, sampled and retrieved) through
 forward + backward / update seconds.
+
+A smoke test, not a benchmark: it shows that the step runs, is finite and fits in memory. Its
+tokens/s come from a single step each, and the update's from the first one, which also pays
+one-time costs (AdamW allocating its states, first kernel launches and allocator growth), so
+they understate steady-state speed; train.py's metrics.jsonl has the per-step times of a run.
 """
 
 from __future__ import annotations
@@ -231,6 +236,7 @@ def main(argv=None) -> dict:
               "update_tok_s": update_tokens / t_update, "loss": loss, "peak_gib": peak}
     print(f"rollout tokens/s: {result['rollout_tok_s']:,.0f}")
     print(f"update tokens/s:  {result['update_tok_s']:,.0f}")
+    print("(smoke-test figures from a single step each, the update's the cold first one: not a benchmark)")
     if peak is not None:
         print(f"peak GPU memory:  {peak:.1f} GiB allocated over rollout, scoring and update (policy, gradients, "
               f"AdamW states, reference, activations); {torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: one GRPO step of a randomly initialised Qwen2.5-3B-shaped model (bf16, gradient
 # checkpointing, HFSampler) on one GPU; prints rollout tokens/s, update tokens/s and peak GPU
-# memory. Needs a CUDA build of torch and transformers, nothing else (no vLLM, no downloads).
+# memory. A smoke test: one cold step each, not a benchmark of steady-state speed. Needs a CUDA
+# build of torch and transformers, nothing else (no vLLM, no downloads).
 # A few minutes on one H200; stopped at 8. Arguments go to bench/gpu_check.py (see --help).
 #
 #   bash bench/gpu_check.sh

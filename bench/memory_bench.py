@@ -11,13 +11,13 @@ Python, torch and every model included), on a GPU the peak CUDA memory allocated
 bytes of optimizer state. Every child imports bitsandbytes and peft (when installed), so the
 baseline of loaded libraries is the same for all.
 
-The toy model has 1.4M parameters: AdamW's fp32 states are ~10 MiB of a ~700 MiB process, so
-its rows differ by little. `--model random:HIDDENxLAYERS` builds a random Llama of that size
-over the toy tokenizer (saved to a temporary folder; MLP 8/3 x hidden, 64-wide heads), where
-optimizer states, gradients, the reference copy and activations are large enough to compare.
-A random model's rollouts are noise that runs every turn to --max_new_tokens, so with
---model random the batch is 4 questions x 2 rollouts of 16 tokens a turn, one search turn
-(then the forced answer), all 8 in one micro-batch; flags after -- change that.
+The toy model has 1.4M parameters: AdamW's fp32 states are ~10 MiB of a process that peaks near
+1.7 GiB on CPU, so its rows differ by little. `--model random:HIDDENxLAYERS` builds a random
+Llama of that size over the toy tokenizer (saved to a temporary folder; MLP 8/3 x hidden,
+64-wide heads), where optimizer states, gradients, the reference copy and activations are large
+enough to compare. A random model's rollouts are noise that runs every turn to
+--max_new_tokens, so with --model random the batch is 4 questions x 2 rollouts of 16 tokens a
+turn, one search turn (then the forced answer), all 8 in one micro-batch; flags after -- change that.
 """
 
 from __future__ import annotations
@@ -114,17 +114,23 @@ def random_model(spec: str, folder: Path) -> str:
     return str(folder)
 
 
+def local(model: str) -> str:
+    """`model` made absolute when it is a folder here: the children run in the repo root, where a
+    relative path would name another folder (toy/... and hub names pass through as given)."""
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
 def run_variant(name: str, flags: list[str], base: list[str], work: Path) -> dict:
     report = work / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--",
            *base, "--out_dir", str(work / name), *flags]
     print(f"\n=== {name}: train.py {' '.join(cmd[5:])}", flush=True)
-    log = work / f"{name}.log"
+    log = work / f"{name}.log"  # in a temporary folder, gone by the time the error is read: show its tail
     with open(log, "w") as f:
         code = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if code != 0 or not report.exists():
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise SystemExit(f"variant {name} failed (exit {code}); last lines of {log}:\n{tail}")
+        tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
+        raise SystemExit(f"variant {name} failed (exit {code}); the last lines of its output:\n{tail}")
     return json.loads(report.read_text())
 
 
@@ -168,7 +174,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory_bench-") as tmp:
         work = Path(tmp)
         sys.path.insert(0, str(ROOT))
-        model = random_model(args.model, work / "model") if args.model.startswith("random:") else args.model
+        model = random_model(args.model, work / "model") if args.model.startswith("random:") else local(args.model)
         base = ["--model", model, "--steps", str(args.steps), "--eval_size", "4", "--log_trajectories_every", "0",
                 "--save_every", "1000000", *(RANDOM_MODEL_FLAGS if args.model.startswith("random:") else []), *extra]
         print(f"train.py {' '.join(base)}  (+ each variant's flags; [toy] preset)", flush=True)

@@ -19,11 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ["full", "nogroup", "nomem", "neither", "baseline"]
 TYPES = ["1hop", "2hop", "comparison"]
+
+
+def locate(path: str) -> Path:
+    """`path` as given when it exists (from the current directory), else under the repo root, so
+    that the default runs/... and searchlite/... work from anywhere."""
+    return Path(path) if Path(path).exists() else ROOT / path
+
+
+def need(path: Path, hint: str) -> Path:
+    """`path`, or a one-line error naming it (exit status 2)."""
+    if not path.is_file():
+        print(f"r1pp_table: no {path} ({hint})", file=sys.stderr)
+        sys.exit(2)
+    return path
 
 
 def run_summary(path: Path) -> tuple[dict, dict, int, int]:
@@ -102,32 +117,39 @@ def recall_vs_search(records: list[dict], test: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", nargs="*", default=[f"runs/r1pp-{r}" for r in RUNS], help="train.py out_dirs")
-    ap.add_argument("--data", default="searchlite/assets/toyworld", help="folder with train.jsonl and test.jsonl")
+    ap.add_argument("--runs", nargs="*", default=[f"runs/r1pp-{r}" for r in RUNS],
+                    help="train.py out_dirs (each as given if it exists, else under the repo root)")
+    ap.add_argument("--data", default="searchlite/assets/toyworld",
+                    help="folder with train.jsonl and test.jsonl (as given if it exists, else under the repo root)")
     args = ap.parse_args()
+    runs = [locate(run) for run in args.runs]
+    data = locate(args.data)
+    for run in runs:
+        need(run / "metrics.jsonl", "bash bench/r1pp_ablation.sh makes the default runs; --runs names others")
+    for name in ("test.jsonl", "train.jsonl"):
+        need(data / name, "--data names a folder with test.jsonl and train.jsonl")
 
     print("| run | step | test EM | RC | " + " | ".join(f"{t} EM / RC" for t in TYPES) + " | L_M rewrites kept |")
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
-    for i, run in enumerate(args.runs):
-        first, last, kept, tried = run_summary(ROOT / run / "metrics.jsonl")
+    for i, run in enumerate(runs):
+        first, last, kept, tried = run_summary(run / "metrics.jsonl")
         rows = [("stage 1 (start)", first)] if i == 0 else []
-        for name, ev in rows + [(Path(run).name, last)]:
+        for name, ev in rows + [(run.name, last)]:
             cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" for t in TYPES]
             mem = "—" if ev is first else (f"{kept:,} of {tried:,}" if tried else "(off)")
             print(f"| {name} | {ev['step']} | {ev['eval/all']['em']:.3f} | {ev['eval/all']['searches']:.2f} | "
                   + " | ".join(cells) + f" | {mem} |")
-    data = ROOT / args.data
     print("\nHops answered without retrieving their passage (last evaluation), by what the model could"
           " know, and the questions that did so:\n")
     print("| run | famous hops | hops a training question asks | other hops "
           "| questions lacking a training hop's passage: n, EM | lacking an other hop's: n, EM |")
     print("|---|---:|---:|---:|---:|---:|")
-    for i, run in enumerate(args.runs):
-        files = sorted((ROOT / run / "eval").glob("step_*.jsonl"))
+    for i, run in enumerate(runs):
+        files = sorted((run / "eval").glob("step_*.jsonl"))
         if not files:
-            print(f"| {Path(run).name} | (no eval/ records) | | | | |")
+            print(f"| {run.name} | (no eval/ records) | | | | |")
             continue
-        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(Path(run).name, files[-1])]:
+        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
             h = hop_sources([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl",
                             data / "train.jsonl")
             print(f"| {name}, {f.stem} | {h['famous']:.0%} | {h['train']:.0%} | {h['new']:.0%} | "
@@ -135,10 +157,10 @@ def main() -> None:
     print("\nQuestions answered with no search, and those searched (n, EM; famous: every hop famous):\n")
     print("| run | famous, recalled | famous, searched | other, recalled | other, searched |")
     print("|---|---:|---:|---:|---:|")
-    for i, run in enumerate(args.runs):
-        files = sorted((ROOT / run / "eval").glob("step_*.jsonl"))
+    for i, run in enumerate(runs):
+        files = sorted((run / "eval").glob("step_*.jsonl"))
         for name, f in ([("stage 1 (start)", files[0])] if i == 0 and files else []) + (
-                [(Path(run).name, files[-1])] if files else []):
+                [(run.name, files[-1])] if files else []):
             rv = recall_vs_search([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl")
             print(f"| {name}, {f.stem} | " + " | ".join(
                 "{}, {:.3f}".format(*rv.get((k, m), (0, 0.0))) for k in ("famous", "other")

@@ -7,8 +7,9 @@
 For each kind, in fresh processes so that peak memory is each phase's own:
 1. build: `retrieve.py build` into --out; wall and CPU seconds, peak RSS, index size on disk;
 2. search: load the folder, answer the QA questions top-3 one at a time (`--single` of them)
-   and in batches of `--batch`: queries/s, and CPU ms per query (all threads; unlike wall
-   time it leaves out time spent waiting for a busy CPU), load time, peak RSS; and answer
+   and in batches of `--batch`, both after an untimed warm-up search of each kind: queries/s,
+   the batched/single speed-up (the figure to compare), and CPU ms per query (all threads;
+   unlike wall time it leaves out time spent waiting for a busy CPU), load time, peak RSS; and answer
    recall@3, the fraction of questions with a gold answer (normalised as in rewards.py)
    among the words of a top-3 passage (and, looser, anywhere in it: "Ed Wood" in "Ed Woodward");
 3. serve: `retrieve.py serve`, then 32 client threads x 50 requests of one question each;
@@ -28,6 +29,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -68,16 +70,31 @@ def write_synthetic(n: int, folder: Path, seed: int = 0) -> tuple[Path, Path]:
     return corpus, qa
 
 
+def fail(message: str) -> None:
+    """A one-line error on stderr and exit status 2 (a bad argument or a missing file)."""
+    print(f"retrieval_bench: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def absolute(path: str | None) -> str | None:
+    """`path` made absolute when it exists as given (children run in the repo root); else as given."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
 def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, float, str]:
-    """Run a command to the end: (wall seconds, CPU seconds, peak RSS GiB of that process, stdout)."""
+    """Run a command to the end: (wall seconds, CPU seconds, peak RSS GiB of that process, stdout).
+    quiet: keep its stderr, shown (the last 20 lines) only if it fails."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None,
-                            text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        sys.exit(f"bench: {' '.join(cmd)} failed with exit code {proc.returncode}")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err if quiet else None, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            tail = "".join(err.readlines()[-20:]) if quiet else ""  # not quiet: already on the terminal
+            sys.exit(f"bench: {' '.join(cmd)} failed with exit code {proc.returncode}"
+                     + (f"; its stderr ends:\n{tail}" if tail else ""))
     cpu = usage.ru_utime + usage.ru_stime
     return time.perf_counter() - t0, cpu, usage.ru_maxrss / 2**20, out  # ru_maxrss is in KiB on Linux
 
@@ -97,6 +114,8 @@ def search_phase(index: str, qa: str, single: int, batch: int) -> None:
     load = time.perf_counter() - t0
     questions = read_qa(qa)
     texts = [q.question for q in questions]
+    r.search(texts[:1], 3)  # untimed warm-up of each kind of call: first-call costs (lazy loads, caches,
+    r.search(texts[:batch], 3)  # thread pools) would otherwise fall on whichever is timed first
     t0, c0 = time.perf_counter(), time.process_time()
     for q in texts[:single]:
         r.search([q], 3)
@@ -178,8 +197,14 @@ def main() -> None:
     args = ap.parse_args()
     if args._search:
         return search_phase(args._search, args.qa, args.single, args.batch)
+    if args.single < 1 or args.batch < 1:
+        fail("--single and --batch must be at least 1")
     out = Path(args.out).resolve()
-    corpus, qa = Path(args.corpus).resolve() if args.corpus else None, args.qa
+    for flag, what in (("corpus", "a corpus JSONL"), ("qa", "a QA JSONL")):
+        if getattr(args, flag) and not Path(getattr(args, flag)).is_file():
+            fail(f"--{flag} {getattr(args, flag)}: no such file; give {what}, or omit it and use --synthetic N")
+    corpus = Path(args.corpus).resolve() if args.corpus else None
+    qa, encoder = absolute(args.qa), absolute(args.encoder)  # an encoder not found here is a hub name
     if args.synthetic:
         t0 = time.perf_counter()
         corpus, synth_qa = write_synthetic(args.synthetic, out)
@@ -187,14 +212,14 @@ def main() -> None:
         print(f"synthetic corpus {corpus}: {args.synthetic:,} passages, {corpus.stat().st_size / 2**20:,.1f} MiB "
               f"({time.perf_counter() - t0:.0f}s)")
     if corpus is None or qa is None:
-        sys.exit("bench: give --corpus and --qa, or --synthetic N")
+        fail("give --corpus and --qa, or --synthetic N")
     print(f"corpus {corpus} ({corpus.stat().st_size / 2**20:,.1f} MiB); questions {qa}; "
           f"peak RSS of the bench process itself {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     for kind in args.kinds.split(","):
         folder = out / f"{corpus.stem}-{kind}"
         cmd = [PY, "retrieve.py", "build", "--corpus", str(corpus), "--kind", kind, "--out", str(folder)]
         if kind == "dense":
-            cmd += ["--encoder", args.encoder or "", "--faiss", args.faiss]
+            cmd += ["--encoder", encoder or "", "--faiss", args.faiss]
         if args.reuse and (folder / f"{kind}.json").exists():
             print(f"[{kind}] reusing {folder} ({disk_mib(folder):,.1f} MiB on disk)")
         else:
@@ -204,9 +229,10 @@ def main() -> None:
         _, _, rss, line = run_measured([PY, __file__, "--_search", str(folder), "--qa", qa, "--single",
                                         str(args.single), "--batch", str(args.batch)])
         s = json.loads(line.strip().splitlines()[-1])
-        print(f"[{kind}] search: load {s['load_s']:.1f}s, one at a time {s['single_qps']:,.1f} q/s "
-              f"({s['single_cpu_ms']:.2f} CPU ms/query), batches of {args.batch} {s['batched_qps']:,.1f} q/s "
-              f"({s['batched_cpu_ms']:.2f} CPU ms/query), peak RSS {rss:.2f} GiB; answer recall@3 "
+        print(f"[{kind}] search: load {s['load_s']:.1f}s; batches of {args.batch} "
+              f"{s['batched_qps'] / s['single_qps']:.2f}x the queries/s of one at a time ({s['batched_qps']:,.1f} vs "
+              f"{s['single_qps']:,.1f} q/s; CPU ms/query {s['batched_cpu_ms']:.2f} vs {s['single_cpu_ms']:.2f}), "
+              f"peak RSS {rss:.2f} GiB; answer recall@3 "
               f"{s['recall3']:.3f} over {s['n']} questions (as a plain substring {s['recall3_substring']:.3f})")
         if not args.no_serve:
             v = serve_phase(str(folder), qa, args.port)

@@ -2,6 +2,11 @@
 
     python bench/update_bench.py                      # the toy warm start, 16 questions x 5
 
+Settings are train.py's [toy] preset (configs.toml; what `python train.py` runs with):
+micro-batches of 40 trajectories, 64 new tokens a turn, sampling and log-probs at temperature
+0.7. Only the learning rate differs, 1e-5 instead of 3e-4: its value does not change the cost,
+and a small one keeps the 2 x (repeats + 1) steps on random advantages from moving the model far.
+
 Rolls out one GRPO batch with the warm-start policy, then times, alternately and
 `--repeats` times each, (a) `train.update` (clipped policy loss + KL, micro-batches,
 gradient clipping, statistics) and (b) a bare loop over the same micro-batches of the same
@@ -22,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
 import train  # noqa: E402
 from searchlite.advantages import broadcast  # noqa: E402
-from searchlite.config import Config, resolve_path  # noqa: E402
+from searchlite.config import parse_args, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 from searchlite.losses import token_logprobs  # noqa: E402
 from searchlite.models import load_policy, load_tokenizer  # noqa: E402
@@ -50,17 +55,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timings of each (default 5)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = Config(group=args.group, lr=1e-5)
+    cfg = parse_args(["--preset", "toy", "--group", str(args.group), "--batch_size", str(args.questions),
+                      "--lr", "1e-5"], prog="bench/update_bench.py")
     tok, policy = load_tokenizer(args.model), load_policy(args.model)
     qa = read_qa(resolve_path(cfg.train_data))[:args.questions]
     questions = [q.question for q in qa for _ in range(args.group)]
-    ro = rollout(HFSampler(policy, tok, max_new_tokens=cfg.max_new_tokens), build_retriever("bm25", resolve_path(cfg.corpus)),
-                 tok, get_protocol(cfg.protocol, cfg.template), questions, max_turns=cfg.max_turns, topk=cfg.topk)
-    old_logp = train.score_tokens(policy, ro, cfg.micro_batch_size, "cpu")  # (N, T)
+    sampler = HFSampler(policy, tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+    retriever, protocol = build_retriever("bm25", resolve_path(cfg.corpus)), get_protocol(cfg.protocol, cfg.template)
+    ro = rollout(sampler, retriever, tok, protocol, questions, max_turns=cfg.max_turns, topk=cfg.topk,
+                 max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len, chat_template=cfg.chat_template)  # as train.py
+    old_logp = train.score_tokens(policy, ro, cfg.micro_batch_size, "cpu", temperature=cfg.temperature)  # (N, T)
     adv = broadcast(torch.randn(len(ro)), ro.loss_mask.float())  # (N, T) values do not change the cost
     n_tok = int(ro.loss_mask.sum())
     print(f"batch: {len(ro)} trajectories, {int(ro.attention_mask.sum())} tokens, {n_tok} policy tokens, "
-          f"micro-batches of {cfg.micro_batch_size}")
+          f"micro-batches of {cfg.micro_batch_size} ([toy] preset, temperature {cfg.temperature})")
     opt_a, _ = train.make_optimizer(policy.parameters(), cfg.lr, 0.0, 0)
     opt_b = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     t_update, t_bare = [], []

@@ -1,6 +1,7 @@
 """bench/r1pp_table.py's accounting of retrievals, on hand-made questions and records."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import load_bench
@@ -61,3 +62,20 @@ def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
                {"id": "q3", "searches": 1, "em": 1.0}, {"id": "q4", "searches": 2, "em": 0.0}]
     rv = table.recall_vs_search(records, test)
     assert rv == {("famous", "recalled"): (1, 1.0), ("other", "recalled"): (1, 0.0), ("other", "searched"): (2, 0.5)}
+
+
+def test_paths_are_taken_as_given_when_they_exist_else_under_the_repo_root(table, monkeypatch, tmp_path):
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert table.locate("runs/mine") == Path("runs/mine")  # from the current directory
+    assert table.locate("searchlite/assets/toyworld") == table.ROOT / "searchlite/assets/toyworld"  # the default
+    assert (table.locate("searchlite/assets/toyworld") / "test.jsonl").is_file()
+
+
+def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
