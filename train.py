@@ -284,7 +284,8 @@ def main(argv=None) -> None:
         fresh = ckpt or dist.is_sharded(policy)  # (a sharded policy cannot be copied)
         frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy)
         rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, seed=rank_seed + 7919, batch_size=cfg.gen_batch_size)  # its own seeds
+                             top_p=cfg.top_p, seed=cfg.seed + 1_000_003 * (dist.world() + dist.rank()),
+                             batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 
     def evaluate(step: int) -> dict:

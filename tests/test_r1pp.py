@@ -453,10 +453,11 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
     """The full recipe for 2 steps. A random model is never right, so the rewrites are stubbed
     with real trajectories (question prompt + internal answer) to run the L_M path."""
     tok = load_tokenizer(tiny_model)
-    seen = []
+    seen, seen_samplers = [], []
 
     def rewrites(sampler, tokenizer, protocol, template, ro, questions, chat_template=True):
         seen.append(sampler.model)
+        seen_samplers.append(sampler)
         resp = [tok.encode(internal(q.answers[0]) + tok.eos_token, add_special_tokens=False) for q in questions[:3]]
         prompts = [encode_prompt(tok, protocol, q.question, chat_template) for q in questions[:3]]
         return _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * 3, [1] * 3, ["x"] * 3, [[]] * 3, tok), 3
@@ -471,6 +472,10 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
             assert torch.isfinite(torch.tensor(float(r[k]))), k
         assert r["mem_kept"] == 3
     assert not any(p.requires_grad for p in seen[0].parameters())  # the rewrite model is frozen
+    seed = json.loads((out / "config.json").read_text())["seed"]
+    # call n of a sampler draws with seed + n: the rewriter's stream must not reach the policy sampler's
+    # (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
+    assert [s.seed - seed for s in seen_samplers] == [1_000_003] * 2
     assert (out / "trajectories" / "step00002-memorization.html").exists()
     train.main(stage2_args(tiny_model, out, ["--steps", "3", "--resume"]))  # the rewriter's seed stream resumes too
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
