@@ -275,8 +275,8 @@ def main(argv=None) -> None:
         sampler = HFSampler(policy, tokenizer, **sampling)
     else:  # vLLM in this process, built from the starting model, then given the policy's weights
         sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
-        with dist.gathered(policy):
-            sampler.push_weights(policy)  # a resumed or LoRA policy is not cfg.model's weights
+        sampler.push_weights(policy)  # a resumed or LoRA policy is not cfg.model's weights (FSDP2: gathered per tensor)
+    generator = policy if cfg.sampler == "hf" else None  # the module generation runs: vLLM holds its own copy
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                       chat_template=cfg.chat_template)
     rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)
@@ -289,7 +289,7 @@ def main(argv=None) -> None:
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 
     def evaluate(step: int) -> dict:
-        with dist.gathered(policy):  # torchrun: each rank answers its share of the test questions
+        with dist.gathered(generator):  # torchrun: each rank answers its share of the test questions
             _, records = score_qa(sampler, retriever, tokenizer, protocol, dist.shard(test_qa, even=False),
                                   batch_size=64, progress=dist.is_main(), **rollout_kw)
         records = [r for part in dist.gather_objects(records) for r in part]
@@ -336,7 +336,7 @@ def main(argv=None) -> None:
             questions = [q for q in dist.shard(batch_questions(train_qa, step, cfg.batch_size, cfg.seed))
                          for _ in range(cfg.group)]
             policy.eval()
-            with dist.gathered(policy):
+            with dist.gathered(generator):
                 ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
                              mask_retrieved=cfg.mask_retrieved, progress=dist.is_main(), **rollout_kw)
             t_rollout = time.time() - t0
@@ -388,8 +388,7 @@ def main(argv=None) -> None:
             if critic is not None:
                 critic_sched.step()
             t1 = time.time()
-            with dist.gathered(policy):
-                sampler.push_weights(policy)  # vLLM: copy the new weights in; HFSampler generates with policy itself
+            sampler.push_weights(policy)  # vLLM: copy the new weights in; HFSampler generates with policy itself
             t_push = time.time() - t1
 
             # -------------------------------------------------------------- log

@@ -20,8 +20,10 @@ How a step is split over ranks (the choices train.py relies on):
 - Models. "ddp": a full replica per rank, gradients all-reduced in every backward; the frozen
   reference stays a plain copy. "fsdp": FSDP2 `fully_shard` (one unit per decoder layer, and
   the root) shards parameters, gradients and AdamW state of policy, critic and reference;
-  full weights are gathered for generation and weight pushes (`gathered`) and, to rank 0,
-  for checkpoints (`full_state_dict`, `optimizer_state`).
+  full weights are gathered for transformers' generation (`gathered`; vLLM generates from its
+  own copy, so the policy stays sharded), tensor by tensor for a push to vLLM
+  (`vllm_sampler.checkpoint_weights`) and, to rank 0, for checkpoints (`full_state_dict`,
+  `optimizer_state`).
   "auto" picks FSDP2 from `FSDP_FROM_PARAMS` trained policy parameters up, DDP below (so
   LoRA runs, whose frozen base every rank holds, use DDP). A LoRA reference (the policy with
   its adapters off) and an offloaded reference (CPU) stay whole on each rank.
@@ -288,9 +290,9 @@ def is_sharded(model) -> bool:
 
 @contextlib.contextmanager
 def gathered(model: nn.Module | None):
-    """Full weights on every rank inside the block (FSDP2); nothing to do otherwise.
+    """Full weights on every rank inside the block (FSDP2); nothing to do otherwise (or for None).
 
-    For generation and weight pushes. Forward passes inside need no collective, so ranks
+    For transformers' generation. Forward passes inside need no collective, so ranks
     may run different numbers of them (generation ends when a rank's own trajectories are done).
     """
     if not is_sharded(model):

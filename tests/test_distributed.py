@@ -351,6 +351,19 @@ def test_torchrun_train_smoke(tiny_model, tmp_path):
     assert isinstance(next(iter(state["opt"]["state"])), int)  # one process's optimizer-state format
 
 
+def test_torchrun_vllm_follows_a_sharded_policy():
+    """Under FSDP2 the policy stays sharded while vLLM generates, and a push gathers it tensor by
+    tensor: vLLM then answers as the policy does (and did not before the push)."""
+    pytest.importorskip("vllm")
+    script = Path(__file__).with_name("torchrun_vllm_push.py")
+    res = subprocess.run([*TORCHRUN[:-1], str(script)], env=TORCHRUN_ENV, capture_output=True, text=True,
+                         timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # (the ranks share one stdout: one's line may run into the other's before its newline)
+    assert sorted(re.findall(r"RESULT rank (\d) pushed (True|False) unpushed (True|False)", res.stdout)) == [
+        ("0", "True", "False"), ("1", "True", "False")]
+
+
 def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
     """Ctrl-C reaches torchrun, which passes it on to each rank: the ranks finish the same step,
     rank 0 checkpoints it and says so once, and the metrics end at that step."""
