@@ -31,7 +31,9 @@ The model is compiled (torch.compile, vLLM's default; `eager=True` skips it): on
 costs ~20-40 s at start-up and makes rollouts of the toy model 2-3x faster than eager mode,
 whose per-step Python overhead dominates with so small a model (bench/sampler_bench.py).
 Left out on purpose: vLLM's own multiprocessing, tensor parallelism inside one sampler
-(one sampler per rank), LoRA adapters inside vLLM (merge them before pushing).
+(one sampler per rank), LoRA adapters inside vLLM (merge them before pushing), and a
+checkpoint's `generation_config.suppress_tokens`, which HFSampler applies (bench/gpu_check.py
+pads a random model's vocabulary past the toy tokenizer with it; trained checkpoints set none).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
     for name, module in base.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and not module.merged:
             deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters)
+    tied = [n for n in deltas if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    if tied and getattr(base.config, "tie_word_embeddings", False):
+        # vLLM keeps one matrix for both; the adapter made them two, which it cannot hold
+        raise ValueError(f"LoRA on {', '.join(tied)} of a model with tied embeddings cannot be pushed to vLLM "
+                         "(it keeps one matrix for both): leave embed_tokens and lm_head out of --lora_targets, "
+                         "or use --sampler hf")
     weights = []
     for name, t in base.state_dict().items():
         if ".lora_" in name:

@@ -160,6 +160,22 @@ def test_push_weights_of_a_lora_policy(engine, tok, prompts):
     assert engine.generate(prompts, greedy=True) == want
 
 
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_a_lora_that_unties_tied_embeddings_is_refused(target):
+    """vLLM keeps one matrix for tied embeddings and head: a delta on one of them would be pushed as
+    a model vLLM cannot hold, and it sampled off-policy with no error."""
+    peft = pytest.importorskip("peft")
+    from searchlite.vllm_sampler import checkpoint_weights
+
+    model = random_toy_model(1)
+    assert model.config.tie_word_embeddings
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", target]))
+    with pytest.raises(ValueError, match=f"LoRA on .*{target}.weight of a model with tied embeddings"):
+        checkpoint_weights(lora)
+    other = peft.get_peft_model(random_toy_model(1), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    assert len(checkpoint_weights(other)) > 0  # other targets push as before
+
+
 def test_sampling_is_seeded_and_leaves_the_trainer_rng_alone(engine, prompts):
     engine.push_weights(random_toy_model(1))
     engine.temperature = 1.0
