@@ -115,27 +115,29 @@ class Protocol:
             return len(answers) == 1 and opens == 1 and response.count("<search>") == len(
                 self.search_re.findall(response)
             )
-        pairs = ("<|begin_internal_answer|>", "<|end_internal_answer|>"), (
-            "<|begin_external_search|>",
-            "<|end_external_search|>",
-        )
-        for a, b in pairs:
-            if response.count(a) != response.count(b) or not _ordered(response, a, b):
-                return False
+        pairs = {"<|begin_internal_answer|>": "<|end_internal_answer|>",
+                 "<|begin_external_search|>": "<|end_external_search|>"}
+        if not _spans_ok(response, pairs):
+            return False
         _, boxed = _last_boxed(response)
         return boxed is not None and bool(boxed.strip()) and response.count("\\boxed{") == 1
 
 
-def _ordered(text: str, open_tag: str, close_tag: str) -> bool:
-    """Open and close tags alternate, starting with an open one (no nesting)."""
-    marks = sorted([(m.start(), 1) for m in re.finditer(re.escape(open_tag), text)]
-                   + [(m.start(), -1) for m in re.finditer(re.escape(close_tag), text)])
-    depth = 0
-    for _, d in marks:
-        depth += d
-        if depth not in (0, 1):
+def _spans_ok(text: str, pairs: dict[str, str]) -> bool:
+    """Each open tag of `pairs` is closed by its own close tag before any other tag of them
+    appears: one span at a time, none nested in another, of the same kind or not."""
+    marks = sorted((m.start(), tag) for tag in (*pairs, *pairs.values()) for m in re.finditer(re.escape(tag), text))
+    open_tag = None
+    for _, tag in marks:
+        if tag in pairs:  # an open tag: no span may be open already
+            if open_tag is not None:
+                return False
+            open_tag = tag
+        elif open_tag is None or pairs[open_tag] != tag:  # a close tag: it must close the open span
             return False
-    return depth == 0
+        else:
+            open_tag = None
+    return open_tag is None
 
 
 def _last_boxed(text: str) -> tuple[int | None, str | None]:

@@ -28,9 +28,10 @@ The paper released no code, so these choices are ours (and read off its text):
   earns the group reward nor seeds rejection sampling or memorization;
 - sigma is the population std of the search counts of the whole group, right and wrong
   rollouts alike; ties for the fewest searches all get R_group (rewards.group_reward);
-- well formed = the protocol's tag check (Protocol.format_ok) on the policy's own text, after
-  cutting out the result blocks the environment inserted, with no result tags the model wrote
-  itself and no invalid action (the injected correction message);
+- well formed = the protocol's tag check (Protocol.format_ok: one tag span open at a time, each
+  closed by its own tag, one non-empty \boxed{}) on the policy's own text, after cutting out
+  the result blocks the environment inserted, with no result tags the model wrote itself and no
+  invalid action (the injected correction message); R_format also needs a final answer;
 - one rewrite per correct rollout that searched, its passages each once; a rewrite is kept
   when well formed, correct, without search tags or result tags, and without a word (outside the
   answer's own words) that gives away that documents were shown (`GIVEAWAY`);
@@ -95,7 +96,9 @@ def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_grou
     Returns {"format", "answer", "group", "correct"}, each (N,); the reward is the sum of the
     first three. `use_group=False` zeroes R_group (the paper's ablation without it).
     """
-    fmt = torch.tensor([format_reward(well_formed(r, protocol)) for r in ro.responses])  # (N,) 0 or -2
+    # (N,) 0 or -2; a trajectory that never answered is malformed even if a \boxed{} sits in one of its queries
+    fmt = torch.tensor([format_reward(well_formed(r, protocol) and a is not None)
+                        for r, a in zip(ro.responses, ro.answers)])
     ans = torch.tensor([cover_exact_match(a, q.answers) for a, q in zip(ro.answers, questions)])  # (N,) 0 or 1
     correct = (fmt == 0) & (ans == 1)  # (N,)
     grp = torch.zeros(len(ro))  # (N,)

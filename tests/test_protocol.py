@@ -91,6 +91,14 @@ def test_format_ok():
     assert not PP.format_ok("<|begin_internal_answer|> a \\boxed{a}")  # unbalanced
     assert not PP.format_ok("no answer")
     assert not PP.format_ok("\\boxed{a} \\boxed{b}")
+    # one span at a time: a search inside an internal answer, or the other way round, is not well formed
+    ia, ea = "<|begin_internal_answer|> a <|end_internal_answer|>", "<|begin_external_search|> q <|end_external_search|>"
+    assert PP.format_ok(f"{ia} {ea} \\boxed{{a}}") and PP.format_ok(f"{ea} {ia} {ea} \\boxed{{a}}")
+    assert not PP.format_ok("<|begin_internal_answer|> " + ea + " <|end_internal_answer|> \\boxed{a}")
+    assert not PP.format_ok("<|begin_external_search|> q " + ia + " <|end_external_search|> \\boxed{a}")
+    assert not PP.format_ok("<|begin_internal_answer|> a <|end_external_search|> \\boxed{a}")  # the wrong close
+    assert not PP.format_ok("<|begin_internal_answer|> <|begin_internal_answer|> a <|end_internal_answer|> "
+                            "<|end_internal_answer|> \\boxed{a}")
 
 
 def test_template_from_file(tmp_path):

@@ -92,6 +92,16 @@ def test_reward_terms_hand_computed_groups():
     assert r1pp.reward_terms(ro, questions, PP, group=4, use_group=False)["group"].tolist() == [0.0] * 8
 
 
+def test_a_trajectory_that_never_answers_is_malformed():
+    """A \\boxed{} written inside a search query made the tag check pass, so a trajectory that ran out
+    of turns without answering escaped R_format's -2 (and scored as a wrong answer)."""
+    q = QA("a", "qa", ["paris"])
+    boxed_query = "<|begin_external_search|> \\boxed{paris} <|end_external_search|>" + RESULT
+    assert r1pp.well_formed(boxed_query, PP)  # the text alone passes the tag check...
+    t = r1pp.reward_terms(_Fake([(boxed_query, None, 1), (internal("paris"), "paris", 0)]), [q] * 2, PP, group=2)
+    assert t["format"].tolist() == [-2, 0]  # ...but with no answer it is malformed
+
+
 def test_group_reward_capped_at_eta_and_given_to_the_cheapest_correct():
     q = QA("a", "qa", ["paris"])
     ro = _Fake([(searched("paris", 4), "paris", 4), (internal("lyon"), "lyon", 0), (searched("paris", 1), "paris", 1),
