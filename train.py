@@ -346,7 +346,8 @@ def main(argv=None) -> None:
             em = compute_rewards(ro, questions)  # (N,) exact match: Search-R1's reward, and logged for every run
             terms = {}
             if cfg.reward == "r1pp":  # R1-Searcher++ §4.2.1: R_format (0 / -2) + R_answer (cover-EM) + R_group
-                terms = reward_terms(ro, questions, protocol, cfg.group, cfg.eta, cfg.group_reward)  # each (N,)
+                terms = reward_terms(ro, questions, protocol, cfg.group, cfg.eta, cfg.group_reward,
+                                     cfg.group_sigma)  # each (N,)
                 scores = terms["format"] + terms["answer"] + terms["group"]  # (N,)
             else:
                 scores = em

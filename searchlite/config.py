@@ -109,6 +109,7 @@ class Config:
     reward: str = "em"  # em (Search-R1: exact match) | r1pp (R1-Searcher++ §4.2.1: format + cover-EM + group reward)
     group_reward: bool = True  # r1pp reward: R_group = min(2 sigma^2, eta) to the correct rollout(s) with fewest searches
     eta: float = 2.0  # cap of the group reward (R1-Searcher++'s eta); sigma = std of the group's search counts
+    group_sigma: str = "group"  # sigma over the whole group's search counts, or over its correct rollouts' only
     mem_coef: float = 0.0  # mu: weight of the memorization loss L_M on internal-only rewrites (§4.2.2); 0 = off
     cold_start_sampler: str = "policy"  # stage 1 (python -m searchlite.r1pp stage1): policy (the model) | teacher (toy world)
     sft_questions: int = 0  # stage 1: train questions to rejection-sample, `group` samples each; 0 = all
@@ -300,6 +301,7 @@ CHOICES = {  # fields that take one of a few values (parallel, dtype and retriev
     "kl_kind": ("k1", "k3"),
     "loss_agg": ("token_mean", "seq_mean_token_mean"),
     "reward": ("em", "r1pp"),
+    "group_sigma": ("group", "correct"),
     "cold_start_sampler": ("policy", "teacher"),
 }
 AT_LEAST = {"steps": 0, "group": 1, "batch_size": 1, "micro_batch_size": 1, "mini_batch_size": 0, "ppo_epochs": 1,

@@ -27,7 +27,9 @@ The paper released no code, so these choices are ours (and read off its text):
 - "correct" means cover-EM = 1 *and* well formed, everywhere: a malformed rollout neither
   earns the group reward nor seeds rejection sampling or memorization;
 - sigma is the population std of the search counts of the whole group, right and wrong
-  rollouts alike; ties for the fewest searches all get R_group (rewards.group_reward);
+  rollouts alike, as the issue's wording reads the paper (`group_sigma = "correct"`: of the
+  correct rollouts only, the other reading); ties for the fewest searches all get R_group
+  (rewards.group_reward);
 - well formed = the protocol's tag check (Protocol.format_ok: one tag span open at a time, each
   closed by its own tag, one non-empty \boxed{}) on the policy's own text, after cutting out
   the result blocks the environment inserted, with no result tags the model wrote itself and no
@@ -90,11 +92,13 @@ def is_correct(response: str, answer: str | None, golds, protocol) -> bool:
     return well_formed(response, protocol) and cover_exact_match(answer, golds) == 1.0
 
 
-def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_group: bool = True) -> dict:
+def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_group: bool = True,
+                 sigma_over: str = "group") -> dict:
     """R1-Searcher++'s reward terms for N = B * group rollouts, a question's rollouts adjacent.
 
     Returns {"format", "answer", "group", "correct"}, each (N,); the reward is the sum of the
-    first three. `use_group=False` zeroes R_group (the paper's ablation without it).
+    first three. `use_group=False` zeroes R_group (the paper's ablation without it);
+    `sigma_over` is rewards.group_reward's `over`.
     """
     # (N,) 0 or -2; a trajectory that never answered is malformed even if a \boxed{} sits in one of its queries
     fmt = torch.tensor([format_reward(well_formed(r, protocol) and a is not None)
@@ -105,7 +109,7 @@ def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_grou
     if use_group:
         for s in range(0, len(ro), group):
             grp[s:s + group] = torch.tensor(group_reward(correct[s:s + group].tolist(),
-                                                         ro.searches[s:s + group].tolist(), eta))
+                                                         ro.searches[s:s + group].tolist(), eta, sigma_over))
     return {"format": fmt, "answer": ans, "group": grp, "correct": correct}
 
 

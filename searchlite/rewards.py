@@ -128,26 +128,33 @@ def format_reward(ok: bool) -> float:
     return 0.0 if ok else -2.0
 
 
-def group_reward(correct: list[bool], n_searches: list[int], eta: float = 2.0) -> list[float]:
+def group_reward(correct: list[bool], n_searches: list[int], eta: float = 2.0, over: str = "group") -> list[float]:
     """R1-Searcher++ group reward (§4.2.1) for one question's group of rollouts.
 
     sigma is the population standard deviation of the retrieval counts over the WHOLE
     group (correct and wrong rollouts alike, as the paper's "std of retrieval counts in
-    the group"). Each correct rollout whose count equals the fewest among the correct ones
-    gets min(2 * sigma**2, eta); ties all get it; everything else gets 0. No correct
-    rollout, or all counts equal (sigma = 0), gives all zeros: the bonus only rewards
-    being cheaper than the group's alternatives.
+    the group"), or with `over="correct"` over the correct rollouts only: then a lone
+    correct rollout, or correct ones that all searched alike, earn nothing, however the
+    wrong ones searched. Each correct rollout whose count equals the fewest among the
+    correct ones gets min(2 * sigma**2, eta); ties all get it; everything else gets 0. No
+    correct rollout, or all counts equal (sigma = 0), gives all zeros: the bonus only
+    rewards being cheaper than the alternatives.
 
     >>> group_reward([True, True, False, True], [1, 2, 3, 1])   # sigma^2 = 0.6875
     [1.375, 0.0, 0.0, 1.375]
+    >>> group_reward([True, True, False, True], [1, 2, 3, 1], over="correct")   # sigma^2 of 1, 2, 1 = 2/9
+    [0.4444444444444444, 0.0, 0.0, 0.4444444444444444]
     >>> group_reward([False, False], [0, 3])
     [0.0, 0.0]
     """
     if len(correct) != len(n_searches):
         raise ValueError(f"{len(correct)} correctness flags but {len(n_searches)} search counts")
+    if over not in ("group", "correct"):
+        raise ValueError(f"over must be 'group' or 'correct', got {over!r}")
     if not any(correct):
         return [0.0] * len(correct)
+    counts = n_searches if over == "group" else [n for n, c in zip(n_searches, correct) if c]
     # 2 * sigma^2 straight from the variance: no sqrt-then-square rounding.
-    bonus = float(min(2.0 * statistics.pvariance(n_searches), eta))
+    bonus = float(min(2.0 * statistics.pvariance(counts), eta))
     fewest = min(n for n, c in zip(n_searches, correct) if c)
     return [bonus if c and n == fewest else 0.0 for n, c in zip(n_searches, correct)]

@@ -90,6 +90,9 @@ def test_reward_terms_hand_computed_groups():
     total = t["format"] + t["answer"] + t["group"]
     assert total.tolist() == pytest.approx([2.375, 1, 0, 2.375, -1, 0, -2, 0], abs=1e-7)
     assert r1pp.reward_terms(ro, questions, PP, group=4, use_group=False)["group"].tolist() == [0.0] * 8
+    # sigma over the correct rollouts only: group A's correct counts 0, 1, 0 -> var 2/9 -> 4/9
+    by_correct = r1pp.reward_terms(ro, questions, PP, group=4, eta=2.0, sigma_over="correct")["group"].tolist()
+    assert by_correct == pytest.approx([4 / 9, 0, 0, 4 / 9, 0, 0, 0, 0], abs=1e-7)
 
 
 def test_a_trajectory_that_never_answers_is_malformed():

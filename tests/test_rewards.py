@@ -126,6 +126,24 @@ def test_group_reward(correct, n, eta, expected):
     assert all(isinstance(x, float) for x in got)
 
 
+@pytest.mark.parametrize(
+    "correct, n, by_group, by_correct",
+    [
+        # the only correct rollout searched most: over the group it still earns 2 var(2,0,0,0) = 1.5
+        ([True, False, False, False], [2, 0, 0, 0], [1.5, 0, 0, 0], [0, 0, 0, 0]),
+        # correct ones searched alike (1, 1); a wrong one searched 4 times
+        ([True, True, False], [1, 1, 4], [2.0, 2.0, 0], [0, 0, 0]),
+        # correct counts 3 and 1: var 1 -> 2 to the cheaper; over the group, var of 3,1,0,0 is 1.5 -> 3, capped
+        ([True, True, False, False], [3, 1, 0, 0], [0, 2.0, 0, 0], [0, 2.0, 0, 0]),
+        # correct counts 2, 1, 1: var 2/9 -> 4/9 to both cheapest
+        ([True, True, True, False], [2, 1, 1, 0], [0, 1.0, 1.0, 0], [0, 4 / 9, 4 / 9, 0]),
+    ],
+)
+def test_group_reward_sigma_over_the_group_or_the_correct(correct, n, by_group, by_correct):
+    assert group_reward(correct, n, eta=2.0) == pytest.approx(by_group, abs=1e-12)
+    assert group_reward(correct, n, eta=2.0, over="correct") == pytest.approx(by_correct, abs=1e-12)
+
+
 def test_group_reward_length_mismatch():
     with pytest.raises(ValueError):
         group_reward([True, False], [1])
