@@ -26,7 +26,8 @@ Where it differs from Search-R1's server (search_r1/search/retrieval_server.py):
   back in that form. Search-R1 answers the corpus record as stored, every field of it.
 - A query longer than `max_query_chars` is cut to that many characters (Search-R1 takes any
   length); more than `max_queries` queries a request is a 422 (Search-R1 has no bound).
-- `topk` must be a JSON integer (3 or 3.0; Search-R1's pydantic also takes "3" and true);
+- `topk` must be a JSON integer (3 or 3.0; Search-R1's pydantic also takes "3" and true), and
+  `return_scores` a JSON boolean (Search-R1's also takes "true" and 1): the served schema holds;
   a missing, null or 0 topk gets `default_topk`, as Search-R1's `if not request.topk` does.
 - Errors are one-line strings in `detail` (FastAPI's default, which Search-R1 keeps, is a
   list of objects), and a request must carry a Content-Length (Search-R1 takes chunked ones).
@@ -153,7 +154,8 @@ def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_q
                                    f"{max_query_chars} characters is cut to its first {max_query_chars}")
         topk: int | None = Field(None, ge=0, le=MAX_TOPK, description="passages per query; missing, null or 0: "
                                  f"the server's default ({default_topk}), as Search-R1's server does")
-        return_scores: bool = Field(False, description="wrap each document with its score")
+        return_scores: bool = Field(False, strict=True, description="wrap each document with its score (a JSON "
+                                    "boolean, as the schema says: not 1 or \"true\")")
 
         @field_validator("topk", mode="before")
         @classmethod
