@@ -201,12 +201,17 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
 # ---------------------------------------------------------------------------- retriever
 
 
+def uses_server(args) -> bool:
+    """Whether retrieval goes to a server (--retriever_url implies --retriever http): no corpus is read here."""
+    return bool(args.retriever_url) or args.retriever == "http"
+
+
 def make_retriever(args):
     """The retriever of --retriever / --retriever_url; a server that does not answer is an EvalError."""
     from searchlite.config import ConfigError
     from searchlite.retrieval import build_retriever, check_server
 
-    if args.retriever_url or args.retriever == "http":
+    if uses_server(args):
         if not args.retriever_url:
             raise EvalError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000)")
         try:
@@ -428,7 +433,7 @@ def main(argv=None) -> dict:
             torch.set_num_threads(args.threads)
         out = Path(args.out)
         source = local_path(source)
-        corpus = None if args.retriever_url or args.retriever == "http" else resolve_path(args.corpus)
+        corpus = None if uses_server(args) else resolve_path(args.corpus)
         setup = settings(args, source, protocol, prompts) | {"data": files} | fingerprints(source, corpus, files)
         check_settings(out, setup, args.overwrite)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
