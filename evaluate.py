@@ -124,7 +124,8 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
     return {"model": model_source, "tokenizer": args.tokenizer, "dtype": args.dtype,
             "retriever": args.retriever_url or f"{args.retriever}:{resolve_path(args.corpus)}",
             "index": args.index, "encoder": args.encoder, "topk": args.topk, "protocol": args.protocol,
-            "template": digest(protocol.template), "prompts": {m: digest(t) for m, t in prompts.items()},
+            "template": digest(protocol.template), "question_mark": protocol.question_mark,
+            "prompts": {m: digest(t) for m, t in prompts.items()},
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
             "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler}
@@ -183,6 +184,7 @@ def check_settings(out: Path, now: dict, overwrite: bool) -> None:
                             "or pass --overwrite to start over") from None
         if before.get("model"):  # older runs kept a local --model as it was spelled
             before["model"] = local_path(before["model"])
+        before.setdefault("question_mark", False)  # older runs asked every question as it is written
         skip = ("data", *FINGERPRINTS)
         diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k not in skip and before.get(k) != now[k]]
         # records are keyed by the set's name: a set of that name read from another file is another set

@@ -156,8 +156,8 @@ def run_batch(method: str, qa: list, sampler, retriever, tokenizer, protocol, *,
         raise ValueError(f"unknown method {method!r} (valid: {', '.join(METHODS)})")
     prompts = prompts or load_prompts()
     docs = retriever.search([q.question for q in qa], topk) if method == "rag" else [[] for _ in qa]
-    texts = [fill(prompts[method], question=q.question.strip(), documents=protocol.format_passages(d).rstrip("\n"))
-             for q, d in zip(qa, docs)]
+    texts = [fill(prompts[method], question=protocol.ask(q.question),
+                  documents=protocol.format_passages(d).rstrip("\n")) for q, d in zip(qa, docs)]
     ids = [encode_text(tokenizer, t, chat_template) for t in texts]
     # Stop when the model starts a "Question:" of its own, as few-shot prompts invite: its
     # answer to that one would be read instead.

@@ -50,9 +50,24 @@ class Protocol:
     invalid_message: str  # appended (loss_mask 0) after a turn with no valid action
     search_re: re.Pattern
     answer_re: re.Pattern | None  # None: answers are \boxed{} (brace-matched, \text{} unwrapped: _last_boxed)
+    question_mark: bool = False  # end each question with "?" in every prompt, as Search-R1's data do
+
+    def ask(self, question: str) -> str:
+        """The question as a prompt puts it: stripped and, where the protocol's paper does so, ended
+        with "?". Search-R1's data scripts (scripts/data_process/qa_search_{train,test}_merge.py)
+        add one to every question lacking it, in training and test prompts and in its baselines';
+        NQ's questions have none ("who sings does he love me with reba"). R1-Searcher++ says nothing.
+
+        >>> get_protocol("search_r1").ask(" who wrote hamlet ")
+        'who wrote hamlet?'
+        >>> get_protocol("r1_searcher_pp").ask(" who wrote hamlet ")
+        'who wrote hamlet'
+        """
+        question = question.strip()
+        return question + "?" if self.question_mark and question and not question.endswith("?") else question
 
     def prompt(self, question: str) -> str:
-        return self.template.replace("{question}", question.strip())
+        return self.template.replace("{question}", self.ask(question))
 
     def parse(self, text: str) -> Action:
         """The action of one generated segment: the first complete search or answer."""
@@ -239,6 +254,7 @@ def get_protocol(name: str, template: str = "") -> Protocol:
             ),
             search_re=re.compile(r"<search>(.*?)</search>", re.S),
             answer_re=re.compile(r"<answer>(.*?)</answer>", re.S),
+            question_mark=True,
         )
     if name == "r1_searcher_pp":
         return Protocol(

@@ -132,7 +132,7 @@ def rewrite_prompt(tokenizer, protocol, template: str, question: str, docs, chat
     """Prompt ids asking to answer `question` from memory, with the passages `docs` (each once, in
     first-seen order) in context."""
     docs = list({h.id or (h.title, h.text): h for h in docs}.values())  # a server may send no ids at all
-    text = fill(template, question=question.strip(), documents=protocol.format_passages(docs).rstrip("\n"))
+    text = fill(template, question=protocol.ask(question), documents=protocol.format_passages(docs).rstrip("\n"))
     return encode_text(tokenizer, text, chat_template)
 
 

@@ -44,7 +44,7 @@ class Teacher:
                               "model: --cold_start_sampler policy --sft_rewrites 0")
         self.tok, self.protocol, self.rng = tokenizer, protocol, random.Random(seed)
         self.quote = quote
-        self.by_question = {q.question.strip(): q for q in qa}
+        self.by_question = {protocol.ask(q.question): q for q in qa}
         self.p = dict(guess=p_guess, famous=p_famous_internal, stop=p_stop, verbatim=p_verbatim, wrong=p_wrong_span)
         values = {a for q in qa for h in q.meta["hops"] for a in [h["answer"]]} | {a for q in qa for a in q.answers}
         self.years = sorted(v for v in values if YEAR.match(v))

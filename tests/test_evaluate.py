@@ -40,6 +40,7 @@ class ScriptedSampler:
             self.prompts.append(text)
             after = text.rsplit("Question: ", 1)[1]
             q = after.splitlines()[0].strip()
+            q = q if q in self.replies else q.removesuffix("?")  # search_r1 asks "q" as "q?" (Protocol.ask)
             reply = self.replies[q]
             if isinstance(reply, list):
                 turn = after.count("<information>") + after.count("My previous action is invalid")
@@ -124,6 +125,31 @@ def test_cot_extraction_and_search_records(tok):
     assert [r["searches"] for r in recs] == [1, 0] and [r["em"] for r in recs] == [1.0, 1.0]
     assert "<information>Doc 1(Title: T0) about city 0" in recs[0]["trajectory"]
     assert retriever.calls == [["city"]]
+
+
+def test_search_r1_asks_every_question_with_a_question_mark(tok):
+    """Search-R1's data scripts end each question lacking one with "?" (NQ's have none), in the
+    agent's prompts and the baselines' alike; R1-Searcher++'s prompts keep the question as it is.
+    The retriever of the RAG baseline gets the question as written, as Search-R1's does."""
+    questions = qa(("capital of France", ["Paris"]), ("Capital of Italy? ", ["Rome"]))
+
+    def asked(prompts, question):  # per prompt, whether it asks `question` and ends the line there
+        return [re.search(rf"Question: {re.escape(question)}\s*($|\n)", p) is not None for p in prompts]
+
+    replies = {"capital of France": "Paris", "Capital of Italy?": "Rome"}
+    for method in ("direct", "cot", "rag"):
+        sampler, retriever = ScriptedSampler(tok, replies), FakeRetriever()
+        run_batch(method, questions, sampler, retriever, tok, P, chat_template=False)
+        assert asked(sampler.prompts, "capital of France?") == [True, False], method
+        assert asked(sampler.prompts, "Capital of Italy?") == [False, True], method
+    assert retriever.calls == [["capital of France", "Capital of Italy? "]]
+    search = {q: ["<answer> x </answer>"] for q in replies}
+    sampler = ScriptedSampler(tok, search)
+    run_batch("search", questions, sampler, FakeRetriever(), tok, P, chat_template=False)
+    assert asked(sampler.prompts, "capital of France?") == [True, False]
+    pp = get_protocol("r1_searcher_pp")
+    assert pp.prompt("capital of France").count("capital of France?") == 0
+    assert pp.prompt("capital of France").count("capital of France") == 1
 
 
 def test_extract_answer_cases():
@@ -365,6 +391,25 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
     assert saved["data_sha256"] == {"alpha": hashlib.sha256(data.read_bytes()).hexdigest()}
     assert saved["corpus_file"] == {str(corpus.resolve()): [corpus.stat().st_size, corpus.stat().st_mtime_ns]}
     assert saved["model_files"] == {"model.safetensors": [st.st_size, st.st_mtime_ns]}
+
+
+def test_records_asked_without_search_r1s_question_mark_are_not_reused(world, tmp_path, capsys):
+    """Runs from before Protocol.ask asked each question as written: a search_r1 run's prompts now
+    differ for a question lacking "?", so its records are refused; R1-Searcher++'s are the same."""
+    for protocol, refused in (("search_r1", True), ("r1_searcher_pp", False)):
+        out = tmp_path / protocol
+        args = cli(world, out, "--methods", "direct", "--protocol", protocol)
+        evaluate.main(args)
+        saved = json.loads((out / "run.json").read_text())
+        assert saved.pop("question_mark") is refused
+        (out / "run.json").write_text(json.dumps(saved))
+        if refused:
+            with pytest.raises(SystemExit, match=r"other settings \(question_mark: False -> True\)"):
+                evaluate.main(args)
+        else:
+            capsys.readouterr()
+            evaluate.main(args)
+            assert "reusing 8 finished answers" in capsys.readouterr().out
 
 
 def test_one_model_spelled_two_ways_resumes(world, tmp_path, monkeypatch, capsys):
