@@ -45,7 +45,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import ArgumentParser, HelpFormatter, at_least, resolve_path
+from searchlite.config import ArgumentParser, HelpFormatter, at_least, local_path, resolve_path
 from searchlite.data import DataError, read_qa, write_durably
 from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
 from searchlite.model_spec import fill_prompt_settings, load_model, model_folder, resolve_model
@@ -162,11 +162,6 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     diff += [f"--data {n}: {now['data'][n]} changed since its records were made"
              for n, h in now["data_sha256"].items() if old.get(n, h) != h and paths.get(n) == now["data"][n]]
     return diff
-
-
-def local_path(source: str) -> str:
-    """A local model's absolute path (one model spelled two ways is one model); a hub name as it is."""
-    return str(Path(source).resolve()) if Path(source).exists() else source
 
 
 def check_settings(out: Path, now: dict, overwrite: bool) -> None:

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from searchlite.config import local_path
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> train.py flags
     "adamw": [],
@@ -114,12 +116,6 @@ def random_model(spec: str, folder: Path) -> str:
     return str(folder)
 
 
-def local(model: str) -> str:
-    """`model` made absolute when it is a folder here: the children run in the repo root, where a
-    relative path would name another folder (toy/... and hub names pass through as given)."""
-    return str(Path(model).resolve()) if Path(model).exists() else model
-
-
 def run_variant(name: str, flags: list[str], base: list[str], work: Path) -> dict:
     report = work / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--",
@@ -174,7 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory_bench-") as tmp:
         work = Path(tmp)
         sys.path.insert(0, str(ROOT))
-        model = random_model(args.model, work / "model") if args.model.startswith("random:") else local(args.model)
+        model = random_model(args.model, work / "model") if args.model.startswith("random:") else local_path(args.model)
         base = ["--model", model, "--steps", str(args.steps), "--eval_size", "4", "--log_trajectories_every", "0",
                 "--save_every", "1000000", *(RANDOM_MODEL_FLAGS if args.model.startswith("random:") else []), *extra]
         print(f"train.py {' '.join(base)}  (+ each variant's flags; [toy] preset)", flush=True)

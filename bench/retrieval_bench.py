@@ -35,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from searchlite.config import local_path
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -74,11 +76,6 @@ def fail(message: str) -> None:
     """A one-line error on stderr and exit status 2 (a bad argument or a missing file)."""
     print(f"retrieval_bench: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def absolute(path: str | None) -> str | None:
-    """`path` made absolute when it exists as given (children run in the repo root); else as given."""
-    return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
 def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, float, str]:
@@ -204,7 +201,7 @@ def main() -> None:
         if getattr(args, flag) and not Path(getattr(args, flag)).is_file():
             fail(f"--{flag} {getattr(args, flag)}: no such file; give {what}, or omit it and use --synthetic N")
     corpus = Path(args.corpus).resolve() if args.corpus else None
-    qa, encoder = absolute(args.qa), absolute(args.encoder)  # an encoder not found here is a hub name
+    qa, encoder = local_path(args.qa), local_path(args.encoder)  # an encoder not found here is a hub name
     if args.synthetic:
         t0 = time.perf_counter()
         corpus, synth_qa = write_synthetic(args.synthetic, out)

@@ -138,6 +138,13 @@ def resolve_path(value: str) -> str:
     return value
 
 
+def local_path(value: str | None) -> str | None:
+    """`value` made absolute when it names a file or folder here, else as given (a hub name,
+    `toy/...`, None): one model spelled two ways is one model, and a child process run in
+    another folder finds it."""
+    return str(Path(value).resolve()) if value and Path(value).exists() else value
+
+
 def suggest(word: str, names) -> list[str]:
     """Up to three of `names` that `word` may have meant, best first; [] when none is close.
 

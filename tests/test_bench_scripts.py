@@ -25,9 +25,9 @@ def test_retrieval_bench_missing_corpus_is_a_one_line_error(retrieval_bench, mon
 def test_retrieval_bench_makes_local_paths_absolute_for_its_children(retrieval_bench, monkeypatch, tmp_path):
     (tmp_path / "qa.jsonl").write_text("")
     monkeypatch.chdir(tmp_path)
-    assert retrieval_bench.absolute("qa.jsonl") == str(tmp_path / "qa.jsonl")
-    assert retrieval_bench.absolute("intfloat/e5-base-v2") == "intfloat/e5-base-v2"  # not here: a hub name
-    assert retrieval_bench.absolute(None) is None
+    assert retrieval_bench.local_path("qa.jsonl") == str(tmp_path / "qa.jsonl")
+    assert retrieval_bench.local_path("intfloat/e5-base-v2") == "intfloat/e5-base-v2"  # not here: a hub name
+    assert retrieval_bench.local_path(None) is None
 
 
 def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench):
@@ -52,8 +52,8 @@ def test_memory_bench_model_folder_is_taken_from_the_current_directory(monkeypat
     memory_bench = load_bench("memory_bench")
     (tmp_path / "mymodel").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert memory_bench.local("mymodel") == str(tmp_path / "mymodel")
-    assert memory_bench.local("toy/model") == "toy/model"  # resolved by train.py (searchlite.config.resolve_path)
+    assert memory_bench.local_path("mymodel") == str(tmp_path / "mymodel")
+    assert memory_bench.local_path("toy/model") == "toy/model"  # resolved by train.py (searchlite.config.resolve_path)
 
 
 def test_memory_bench_failed_variant_shows_its_output_not_a_deleted_log(monkeypatch, tmp_path):
