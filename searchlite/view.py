@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .config import ArgumentParser, HelpFormatter, at_least
+from .config import ArgumentParser, HelpFormatter, at_least, bool_arg
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
@@ -84,6 +84,9 @@ def main(argv=None) -> None:
     ap.add_argument("--template", default=None, help="prompt template: a file with {question}, or a set name "
                     "(toy = templates/toy_<protocol>.txt, the toy model's); '' = the paper's, for real models "
                     "(default: a train.py run's own, else toy)")
+    ap.add_argument("--chat_template", type=bool_arg, default=None, help="wrap prompts in the tokenizer's chat "
+                    "template when it has one (false: plain text, for few-shot templates; default: a train.py "
+                    "run's own, else true)")
     ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
     ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
@@ -102,14 +105,15 @@ def main(argv=None) -> None:
     from .sampler import HFSampler
 
     try:
-        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy"})
+        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy", "chat_template": True})
         model, tok = load_model(args.model)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
     qa = read_qa(resolve_path(args.data))[: args.n]
     retriever = build_retriever("bm25", resolve_path(args.corpus))
     ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol, args.template),
-                 [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, greedy=args.greedy)
+                 [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, chat_template=args.chat_template,
+                 greedy=args.greedy)
     rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]
     print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa], title=f"{args.model} on {args.data}"))
 

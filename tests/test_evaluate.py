@@ -493,8 +493,8 @@ def free_port() -> int:
 
 
 def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_path, capsys):
-    """--model RUN (or RUN/checkpoint/policy) brings the run's --protocol and --template; a flag
-    still overrides them; a plain model folder gets the defaults."""
+    """--model RUN (or RUN/checkpoint/policy) brings the run's --protocol, --template and
+    --chat_template; a flag still overrides them; a plain model folder gets the defaults."""
     import hashlib
     import shutil
 
@@ -502,18 +502,21 @@ def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_p
 
     run = tmp_path / "run"
     shutil.copytree(world / "model", run / "checkpoint" / "policy")
-    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy", "algo": "grpo"}))
+    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy", "algo": "grpo",
+                                                 "chat_template": False}))
     base = ["--data", str(world / "beta.jsonl"), "--corpus", str(world / "corpus.jsonl"), "--max_new_tokens", "3",
             "--max_turns", "1", "--progress", "false"]
-    for model, extra, expected in [(run, [], ("r1_searcher_pp", "toy")),
-                                   (run / "checkpoint" / "policy", [], ("r1_searcher_pp", "toy")),
-                                   (run, ["--protocol", "search_r1"], ("search_r1", "toy")),
-                                   (world / "model", [], ("search_r1", "toy"))]:
+    for model, extra, expected in [(run, [], ("r1_searcher_pp", "toy", False)),
+                                   (run / "checkpoint" / "policy", [], ("r1_searcher_pp", "toy", False)),
+                                   (run, ["--protocol", "search_r1"], ("search_r1", "toy", False)),
+                                   (run, ["--chat_template", "true"], ("r1_searcher_pp", "toy", True)),
+                                   (world / "model", [], ("search_r1", "toy", True))]:
         out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
         evaluate.main(["--model", str(model), *base, "--out", str(out), *extra])
         saved = json.loads((out / "run.json").read_text())
         assert saved["protocol"] == expected[0], (model, extra)
-        assert saved["template"] == hashlib.sha1(get_protocol(*expected).template.encode()).hexdigest()[:12]
+        assert saved["template"] == hashlib.sha1(get_protocol(*expected[:2]).template.encode()).hexdigest()[:12]
+        assert saved["chat_template"] is expected[2], (model, extra)
     assert f"--protocol 'r1_searcher_pp': as trained ({run / 'config.json'})" in capsys.readouterr().out
 
 

@@ -43,19 +43,26 @@ def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
 def test_unset_prompt_settings_come_from_the_run(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoint" / "policy").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "mine.txt"}))
-    fallback = {"protocol": "search_r1", "template": "toy"}
+    saved = {"protocol": "r1_searcher_pp", "template": "mine.txt", "chat_template": False, "lr": 1e-6}
+    (run / "config.json").write_text(json.dumps(saved))
+    fallback = {"protocol": "search_r1", "template": "toy", "chat_template": True}
+    unset = dict(protocol=None, template=None, chat_template=None)
     for model in (run, run / "checkpoint", run / "checkpoint" / "policy"):
-        args = SimpleNamespace(model=str(model), protocol=None, template=None)
+        args = SimpleNamespace(model=str(model), **unset)
         model_spec.fill_prompt_settings(args, fallback)
-        assert (args.protocol, args.template) == ("r1_searcher_pp", "mine.txt")
-    assert f"--template 'mine.txt': as trained ({run / 'config.json'})" in capsys.readouterr().out
-    args = SimpleNamespace(model=str(run), protocol="search_r1", template="")  # a flag given wins, '' included
+        assert (args.protocol, args.template, args.chat_template) == ("r1_searcher_pp", "mine.txt", False)
+    assert f"--chat_template False: as trained ({run / 'config.json'})" in capsys.readouterr().out
+    args = SimpleNamespace(model=str(run), protocol="search_r1", template="", chat_template=True)  # flags win
     model_spec.fill_prompt_settings(args, fallback)
-    assert (args.protocol, args.template) == ("search_r1", "")
-    args = SimpleNamespace(model="toy/model", protocol=None, template=None)  # a plain model: the fallbacks
+    assert (args.protocol, args.template, args.chat_template) == ("search_r1", "", True)
+    args = SimpleNamespace(model="toy/model", **unset)  # a plain model: the fallbacks
     model_spec.fill_prompt_settings(args, fallback)
-    assert (args.protocol, args.template) == ("search_r1", "toy")
+    assert (args.protocol, args.template, args.chat_template) == ("search_r1", "toy", True)
+    del saved["chat_template"]  # a run saved before the field existed: the fallback
+    (run / "config.json").write_text(json.dumps(saved))
+    args = SimpleNamespace(model=str(run), **unset)
+    model_spec.fill_prompt_settings(args, fallback)
+    assert (args.protocol, args.template, args.chat_template) == ("r1_searcher_pp", "mine.txt", True)
 
 
 def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path):
