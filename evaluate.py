@@ -163,8 +163,10 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     return diff
 
 
-def check_settings(out: Path, now: dict, overwrite: bool) -> None:
-    """Write run.json; if the folder holds records made with other settings, refuse (or clear it)."""
+def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = False) -> None:
+    """Write run.json; if the folder holds records made with other settings, refuse (or clear it).
+    `marks_nothing`: Protocol.ask adds "?" to none of the questions asked, so records from before
+    it (which asked every question as written) were asked in today's prompts."""
     run_file, records = out / "run.json", out / "records.jsonl"
     if overwrite:
         records.unlink(missing_ok=True)
@@ -178,7 +180,7 @@ def check_settings(out: Path, now: dict, overwrite: bool) -> None:
                             "or pass --overwrite to start over") from None
         if before.get("model"):  # older runs kept a local --model as it was spelled
             before["model"] = local_path(before["model"])
-        before.setdefault("question_mark", False)  # older runs asked every question as it is written
+        before.setdefault("question_mark", now["question_mark"] if marks_nothing else False)  # (older runs)
         skip = ("data", *FINGERPRINTS)
         diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k not in skip and before.get(k) != now[k]]
         # records are keyed by the set's name: a set of that name read from another file is another set
@@ -312,7 +314,8 @@ def main(argv=None) -> dict:
         source = local_path(source)
         corpus = None if uses_server(args) else resolve_path(args.corpus)
         setup = settings(args, source, protocol, prompts) | {"data": files} | fingerprints(source, corpus, files)
-        check_settings(out, setup, args.overwrite)
+        marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
+        check_settings(out, setup, args.overwrite, marks_nothing)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here
             from searchlite.vllm_sampler import VLLMSampler

@@ -394,22 +394,26 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
 
 
 def test_records_asked_without_search_r1s_question_mark_are_not_reused(world, tmp_path, capsys):
-    """Runs from before Protocol.ask asked each question as written: a search_r1 run's prompts now
-    differ for a question lacking "?", so its records are refused; R1-Searcher++'s are the same."""
-    for protocol, refused in (("search_r1", True), ("r1_searcher_pp", False)):
-        out = tmp_path / protocol
-        args = cli(world, out, "--methods", "direct", "--protocol", protocol)
+    """Runs from before Protocol.ask asked each question as written. Where a search_r1 prompt now
+    adds a "?", their records are refused; where every question already ends in one, or under
+    R1-Searcher++'s protocol, the prompts are the same and the records are reused."""
+    bare = tmp_path / "bare.jsonl"  # the world's questions without their "?"
+    bare.write_text((world / "alpha.jsonl").read_text().replace('?"', '"'))
+    for protocol, data, refused in (("search_r1", bare, True), ("search_r1", world / "alpha.jsonl", False),
+                                    ("r1_searcher_pp", bare, False)):
+        out = tmp_path / f"{protocol}-{data.stem}"
+        args = cli(world, out, "--methods", "direct", "--protocol", protocol, "--data", str(data))
         evaluate.main(args)
         saved = json.loads((out / "run.json").read_text())
-        assert saved.pop("question_mark") is refused
+        assert saved.pop("question_mark") is (protocol == "search_r1")
         (out / "run.json").write_text(json.dumps(saved))
+        capsys.readouterr()
         if refused:
             with pytest.raises(SystemExit, match=r"other settings \(question_mark: False -> True\)"):
                 evaluate.main(args)
         else:
-            capsys.readouterr()
             evaluate.main(args)
-            assert "reusing 8 finished answers" in capsys.readouterr().out
+            assert "reusing 5 finished answers" in capsys.readouterr().out, (protocol, data)
 
 
 def test_one_model_spelled_two_ways_resumes(world, tmp_path, monkeypatch, capsys):

@@ -65,14 +65,23 @@ def test_unset_prompt_settings_come_from_the_run(tmp_path, capsys):
     assert (args.protocol, args.template, args.chat_template) == ("r1_searcher_pp", "mine.txt", True)
 
 
-def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path):
+def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path, monkeypatch):
     """`python -m searchlite.view --model RUN` loads the run's policy and asks it in its own
-    protocol and template (here R1-Searcher++'s toy prompt), as evaluate.py does."""
+    protocol, template (here R1-Searcher++'s toy prompt) and chat-template use, as evaluate.py does."""
+    import searchlite.rollout
     from searchlite.view import main
 
+    real, asked = searchlite.rollout.rollout, []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["chat_template"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(searchlite.rollout, "rollout", spy)
     run = tmp_path / "run"
     (run / "config.json").parent.mkdir()
-    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy"}))
+    (run / "config.json").write_text(json.dumps({"protocol": "r1_searcher_pp", "template": "toy",
+                                                 "chat_template": False}))
     with pytest.raises(SystemExit, match="no trained policy yet"):
         main(["--model", str(run), "--n", "1", "--out", str(tmp_path / "none.html")])
     shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
@@ -82,3 +91,5 @@ def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path):
     r1pp = (TEMPLATE_DIR / "toy_r1_searcher_pp.txt").read_text().split("{question}")[0]
     search_r1 = (TEMPLATE_DIR / "toy_search_r1.txt").read_text().split("{question}")[0]
     assert page.count(html.escape(r1pp)) == 2 and html.escape(search_r1) not in page
+    main(["--model", str(run), "--n", "1", "--greedy", "--max_turns", "0", "--chat_template", "true", "--out", str(out)])
+    assert asked == [False, True]  # the run's own, then the flag's
