@@ -101,6 +101,7 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     from safetensors.torch import load_file
 
     full, part = tmp_path / "full", tmp_path / "part"
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler, or SIG_IGN when started in the background
     train.main(args(tiny_model, full, "grpo", steps=3, extra=["--save_every", "0"]))
     ctrl_c = CtrlC(monkeypatch, train, "compute_rewards", at=2)  # during step 2
     with pytest.raises(SystemExit) as stopped:  # 128 + SIGINT, so that a script running train.py stops too
@@ -108,7 +109,7 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     assert stopped.value.code == 130
     assert "stopped after step 2, checkpoint saved: rerun with --resume" in capsys.readouterr().out
     assert torch.load(part / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
     ctrl_c.at = 0
     train.main(args(tiny_model, part, "grpo", steps=3, extra=["--save_every", "0", "--resume"]))
     wa = load_file(full / "checkpoint" / "policy" / "model.safetensors")
@@ -134,7 +135,7 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     the previous handlers back, even when it raises; then the exit status is 128 + 15."""
     from searchlite.models import GracefulStop
 
-    before = signal.getsignal(signal.SIGTERM)
+    before, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
         assert not stop.requested
         stop.exit_if_requested("not printed")  # nothing asked yet: returns
@@ -142,7 +143,7 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
         assert stop.requested and stop.signum == signal.SIGTERM
         os.kill(os.getpid(), signal.SIGTERM)  # the second: at once
     assert signal.getsignal(signal.SIGTERM) is before
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before_int
     with pytest.raises(SystemExit) as stopped:
         stop.exit_if_requested("rerun with --resume")
     assert stopped.value.code == 128 + 15
@@ -155,7 +156,7 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     """A fresh run in a used folder starts metrics.jsonl anew (and says it replaces the old
     checkpoint); a run interrupted after its last checkpoint and resumed logs the steps it redoes
     once, not twice."""
-    out = tmp_path / "run"
+    out, before = tmp_path / "run", signal.getsignal(signal.SIGINT)
     train.main(args(tiny_model, out, "grpo", steps=1))
     assert "holds a checkpoint" not in capsys.readouterr().out
     train.main(args(tiny_model, out, "grpo", steps=1))
@@ -173,7 +174,7 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     with pytest.raises(KeyboardInterrupt):
         train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2"]))
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # a run that raised puts Ctrl-C back too
+    assert signal.getsignal(signal.SIGINT) is before  # a run that raised puts Ctrl-C back too
     monkeypatch.setattr(train, "compute_rewards", rewards)
     train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "2", "--resume"]))
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
