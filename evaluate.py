@@ -280,7 +280,7 @@ def main(argv=None) -> dict:
         if bad or not methods:
             raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
         source = resolve_model(args.model)[1]  # fail fast, before anything slow
-        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy", "chat_template": True})
+        fill_prompt_settings(args)
         qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)

@@ -42,6 +42,7 @@ def run_config(folder: Path) -> dict | None:
 
 
 PROMPT_SETTINGS = ("protocol", "template", "chat_template")  # how a trained run must be asked
+UNTRAINED = {"protocol": "search_r1", "template": "toy", "chat_template": True}  # any other model, unless flags say
 
 
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
@@ -138,7 +139,7 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
     return model, tok
 
 
-def fill_prompt_settings(args, fallback: dict) -> None:
+def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> None:
     """Set args.protocol / args.template / args.chat_template left unset (None) to those the run
     --model names was trained with, saying so, else to `fallback`'s: a trained run is asked in
     the tags and prompt it learned."""

@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     from .sampler import HFSampler
 
     try:
-        fill_prompt_settings(args, {"protocol": "search_r1", "template": "toy", "chat_template": True})
+        fill_prompt_settings(args)
         model, tok = load_model(args.model)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
