@@ -169,7 +169,6 @@ def main() -> None:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="memory_bench-") as tmp:
         work = Path(tmp)
-        sys.path.insert(0, str(ROOT))
         model = random_model(args.model, work / "model") if args.model.startswith("random:") else local_path(args.model)
         base = ["--model", model, "--steps", str(args.steps), "--eval_size", "4", "--log_trajectories_every", "0",
                 "--save_every", "1000000", *(RANDOM_MODEL_FLAGS if args.model.startswith("random:") else []), *extra]
