@@ -287,13 +287,13 @@ from searchlite.models import reuse_freed_memory
 if sys.argv[1] == "on":
     assert reuse_freed_memory(torch.device("cpu"))
 faults = []
-for _ in range(10):  # two 64 MB blocks (a toy micro-batch's logits), freed, and allocated again
+for _ in range(31):  # two 64 MB blocks (a toy micro-batch's logits), freed, and allocated again
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(16 * 2**20)
     y = x * 2
     del x, y
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sum(faults[5:]))  # the last five rounds: the heap has grown to its working size
+print(sorted(faults)[15])  # the median round: the heap still grows now and then (small blocks land in the gap)
 """
 
 
@@ -310,6 +310,6 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
 
     plain = faults("off")
     if plain < 1000:
-        pytest.skip(f"this allocator already keeps freed 64 MB blocks ({plain} page faults to reuse one)")
-    assert faults("on") < plain / 4  # measured here: 163,850 faults without; 0, at most 16,384 with
+        pytest.skip(f"this allocator already keeps freed 64 MB blocks ({plain} page faults to reuse two)")
+    assert faults("on") < plain / 4  # measured here: 32,770 faults a round without; 0 with (4 of 31 rounds fault)
     assert reuse_freed_memory(torch.device("cuda")) is False  # GPU runs: host memory is left to glibc's defaults
