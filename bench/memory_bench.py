@@ -4,12 +4,12 @@
     python bench/memory_bench.py --model random:768x12           # same, a ~90M-parameter random Llama
     python bench/memory_bench.py --variants adamw,adamw8bit -- --batch_size 8   # train.py flags after --
 
-Each variant is `train.py` (the [toy] preset, `--steps`, evaluation on 4 questions, the
-variant's flags) in a subprocess of its own, so no variant's memory shows in another's. The
-child reports its peak resident memory (getrusage's ru_maxrss: the process high-water mark,
-Python, torch and every model included), on a GPU the peak CUDA memory allocated, and the
-bytes of optimizer state. Every child imports bitsandbytes and peft (when installed), so the
-baseline of loaded libraries is the same for all.
+Each variant is `train.py` (the [toy] preset, `--steps`, evaluation on 4 questions, 2 with
+`--model random:...`, the variant's flags) in a subprocess of its own, so no variant's memory
+shows in another's. The child reports its peak resident memory (getrusage's ru_maxrss: the
+process high-water mark, Python, torch and every model included), on a GPU the peak CUDA
+memory allocated, and the bytes of optimizer state. Every child imports bitsandbytes and peft
+(when installed), so the baseline of loaded libraries is the same for all.
 
 The toy model has 1.4M parameters: AdamW's fp32 states are ~10 MiB of a process that peaks near
 1.7 GiB on CPU, so its rows differ by little. `--model random:HIDDENxLAYERS` builds a random
