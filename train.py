@@ -147,8 +147,10 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     for _ in range(cfg.ppo_epochs):
         for j, mini in enumerate(minis):
             # token_mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
-            # gradients, so each rank divides by all ranks' token count over the world size
+            # gradients, so each rank divides by all ranks' token count over the world size (the
+            # same for seq_mean_token_mean's count of sequences, those with a policy token)
             n_tok = max(1.0, dist.all_sum(float(ro.loss_mask[mini].sum()))) / dist.world()
+            n_seq = max(1.0, dist.all_sum(float(ro.loss_mask[mini].any(1).sum()))) / dist.world()
             for rows in micro_batches(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1)):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
@@ -157,7 +159,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 logits = policy(input_ids=ids, attention_mask=attn).logits / cfg.temperature  # (b, t, V)
                 logp = token_logprobs(logits, ids)  # (b, t)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
-                weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else len(rows) / len(mini)
+                weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else float(lm.any(1).sum()) / n_seq
                 pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
                                            cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied

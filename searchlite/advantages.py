@@ -38,6 +38,8 @@ def gae(rewards, values, loss_mask, gamma: float, lam: float, whiten=None):
     under torchrun `distributed.masked_whiten`) the advantages, not the returns, are then
     whitened over every policy token of the batch, as verl's `compute_gae_advantage_return`
     does in Search-R1's PPO: the policy's step size no longer depends on the reward's scale.
+    (verl whitens over every response token, retrieved ones included, with the n - 1
+    variance; here retrieved tokens are no time steps, and the variance is the population's.)
 
     >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.5, 0.5]])
     >>> gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)[0]   # = total reward - V_t

@@ -104,7 +104,8 @@ def aggregate(loss_tok: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tor
     """Reduce a (B, T) per-token loss to a scalar over policy tokens.
 
     "token_mean": sum(l * m) / sum(m) over the whole batch — every token weighs the same
-    (Search-R1 / verl default). "seq_mean_token_mean": mean over sequences of each
+    (Search-R1 / verl default; train.update keeps it exact over a mini-batch's micro-batches,
+    where verl averages their means). "seq_mean_token_mean": mean over sequences of each
     sequence's token mean — every sequence weighs the same (R1-Searcher++ / OpenRLHF);
     sequences without any policy token are left out of that mean.
 

@@ -99,8 +99,9 @@ def test_gae_matches_naive_loop(gamma, lam, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_gae_whitens_the_advantages_not_the_returns(seed):
-    """verl's compute_gae_advantage_return (Search-R1's PPO): whitened advantages over every
-    policy token of the batch, the critic's target left as it was."""
+    """Whitened advantages over every policy token of the batch, the critic's target left as it
+    was, as verl's compute_gae_advantage_return does in Search-R1's PPO (which also counts the
+    retrieved tokens and takes the n - 1 variance)."""
     gen = torch.Generator().manual_seed(seed)
     r, v, m = random_batch(gen, B=4, T=15)
     adv, ret = gae(r, v, m, 0.9, 0.8, whiten=masked_whiten)

@@ -278,6 +278,20 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_token
     assert ("sync", str(tmp_path)) in events[renamed:]
 
 
+class Capture:
+    """An optimizer that keeps the gradient it is asked to apply (the last step's)."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, byte_tokenizer):
     """update() with --entropy_coef c: its gradient minus the gradient at c = 0 is -c times the
     gradient of the policy tokens' mean entropy, computed here with torch's Categorical."""
@@ -292,17 +306,6 @@ def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, by
     old_logp = train.score_tokens(tiny_llama, ro, 8, "cpu")
     adv = torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
 
-    class Capture:  # an optimizer that keeps the gradient it is asked to apply
-        def __init__(self, params):
-            self.params, self.grads = list(params), None
-
-        def step(self):
-            self.grads = [p.grad.clone() for p in self.params]
-
-        def zero_grad(self, set_to_none=True):
-            for p in self.params:
-                p.grad = None
-
     def grads(coef):
         cfg = parse_args(["--preset", "none", "--entropy_coef", str(coef), "--kl_coef", "0", "--grad_clip", "1e9",
                           "--micro_batch_size", "8"])
@@ -316,6 +319,39 @@ def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, by
     want = torch.autograd.grad(torch.stack(ents).mean(), list(tiny_llama.parameters()))
     for got0, got, w in zip(grads(0.0), grads(0.05), want):
         torch.testing.assert_close(got - got0, -0.05 * w, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_sum_to_the_gradient_of_the_whole_mini_batch(tiny_llama, byte_tokenizer, loss_agg):
+    """The micro-batches' weighted gradients add up to the gradient of one pass over the whole
+    mini-batch (policy loss, GRPO's KL and the entropy bonus, each aggregated by --loss_agg),
+    also when a row has no policy token (all its response retrieved): under seq_mean_token_mean
+    such a row is no sequence of the mean, whichever micro-batch it falls in."""
+    from searchlite.config import parse_args
+    from searchlite.rollout import _collate
+
+    g = torch.Generator().manual_seed(1)
+    lengths = (5, 2, 7, 3, 6)  # micro-batches of 2 by length: rows [1, 3], [0, 4], [2]
+    prompts = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in lengths]
+    resp = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
+    masks = [[1, 0] + [1] * (n - 2) for n in lengths]
+    masks[1] = [0, 0]  # row 1: no policy token, in a micro-batch with row 3
+    ro = _collate(prompts, resp, masks, [0] * 5, [1] * 5, [None] * 5, [[]] * 5, byte_tokenizer)
+    old_logp = train.score_tokens(tiny_llama, ro, 8, "cpu")
+    ref_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)  # a KL term with a gradient
+    adv = torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
+
+    def grads(micro):
+        cfg = parse_args(["--preset", "none", "--algo", "grpo", "--kl_coef", "0.1", "--entropy_coef", "0.01",
+                          "--loss_agg", loss_agg, "--grad_clip", "1e9", "--micro_batch_size", str(micro)])
+        assert train.micro_batches(5, micro, ro.attention_mask.sum(1)) == ([[1, 3], [0, 4], [2]] if micro == 2
+                                                                           else [[1, 3, 0, 4, 2]])
+        opt = Capture(tiny_llama.parameters())
+        train.update(cfg, 0, tiny_llama, opt, ro, old_logp, ref_logp, adv, "cpu")
+        return opt.grads
+
+    for got, want in zip(grads(2), grads(8)):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
 
 
 def test_micro_batches_group_rows_of_like_length():
