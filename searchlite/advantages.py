@@ -71,7 +71,8 @@ def group_advantages(scores, group: int, eps: float = 1e-6, norm_std: bool = Tru
     unbiased std (torch.std's default), as verl's GRPO does; `norm_std=False` drops the
     division (Dr.GRPO). A group whose rewards are all equal gets exactly 0, not a
     rounding residue. `group == 1` is REINFORCE with a batch-mean baseline,
-    adv = r - mean(r) over the batch, no std division (Search-R1 Table 8).
+    adv = r - mean(r) over the batch, no std division (Search-R1 Table 8; verl's GRPO gives a
+    group of one no baseline at all, adv = r).
     Returns (N,); spread it to tokens with `broadcast`.
 
     >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group=3)
