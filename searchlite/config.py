@@ -72,12 +72,12 @@ class Config:
     max_turns: int = 4  # search budget; one more turn without search then forces an answer
     max_new_tokens: int = 500  # tokens generated per turn
     max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)
-    max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends there, or at the model's context
+    max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends there, answered or not (Search-R1 keeps its last 4096 tokens and goes on), or at the model's context
     temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts
     sampler: str = "hf"  # hf (transformers generate) | vllm (vLLM in this process, weights pushed after each update; ./setup.sh vllm)
     gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
-    mask_retrieved: bool = True  # retrieved tokens get loss_mask 0; false is Search-R1 Table 4's ablation
+    mask_retrieved: bool = True  # retrieved tokens (and invalid-action messages) get loss_mask 0; false is Search-R1 Table 4's ablation
     # --- algorithm
     algo: str = "grpo"  # grpo | ppo | reinforce_pp
     group: int = 5  # rollouts per question (GRPO group size; 1 = REINFORCE with a batch-mean baseline)

@@ -70,7 +70,11 @@ class Protocol:
         return self.template.replace("{question}", self.ask(question))
 
     def parse(self, text: str) -> Action:
-        """The action of one generated segment: the first complete search or answer."""
+        """The action of one generated segment: the first complete search or answer.
+
+        An empty answer or query is an invalid action (the model is told so and may go on), where
+        Search-R1's `postprocess_predictions` ends the trajectory on an empty answer (reward 0)
+        and searches for an empty query."""
         try:
             return self._parse(text)
         except Exception:  # parsing must never stop a rollout; a bug here is an invalid action
@@ -114,7 +118,8 @@ class Protocol:
     def observation_ids(self, tokenizer, hits, max_tokens: int) -> list[int]:
         """Token ids of a search result block, passages cut to fit `max_tokens` in total.
 
-        Tokenised once here and appended as ids; the closing tag always survives the cut.
+        Tokenised once here and appended as ids; the closing tag always survives the cut (Search-R1's
+        `_process_next_obs` cuts the whole block, so an overlong one loses its closing tag).
         """
         head = tokenizer.encode(f"\n{self.info_open}", add_special_tokens=False)
         tail = tokenizer.encode(f"{self.info_close}\n", add_special_tokens=False)

@@ -71,7 +71,7 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
     searches, turns, answers = [0] * n, [0] * n, [None] * n
     docs: list[list] = [[] for _ in range(n)]
     message = tokenizer.encode(protocol.invalid_message, add_special_tokens=False)
-    obs_mask = 0 if mask_retrieved else 1
+    obs_mask = 0 if mask_retrieved else 1  # false: Search-R1's ablation trains on every response token
     # a trajectory ends at max_len, or where the sampler's model runs out of positions (vLLM's
     # max_model_len; HFSampler's model's max_position_embeddings), whichever comes first
     max_len = min(max_len, getattr(sampler, "max_model_len", None) or max_len)
@@ -97,7 +97,7 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
                 searchers.append(i)
             else:
                 resp[i] += message
-                mask[i] += [0] * len(message)
+                mask[i] += [obs_mask] * len(message)  # what the engine appends, like a passage
                 still.append(i)
         if queries:
             for i, hits in zip(searchers, retriever.search(queries, topk)):

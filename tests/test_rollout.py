@@ -97,10 +97,14 @@ def _chunks(xs, k):
     return [xs[j:j + k] for j in range(0, len(xs), k)]
 
 
-def test_unmasked_ablation_marks_passages(byte_tokenizer):
-    ro, _, _ = _run(byte_tokenizer, ["q-search"], max_turns=2, mask_retrieved=False)
-    p, n = int(ro.prompt_len[0]), int(ro.attention_mask[0].sum())
-    assert ro.loss_mask[0, p:n].all()
+def test_unmasked_ablation_marks_passages_and_the_invalid_action_message(byte_tokenizer):
+    """Search-R1's state_masking = false: every response token is trained on, the message an
+    invalid action brings back included (it goes in with the observations there)."""
+    ro, _, _ = _run(byte_tokenizer, ["q-search", "q-invalid"], max_turns=2, mask_retrieved=False)
+    assert "<information>" in ro.responses[0] and "My previous action is invalid" in ro.responses[1]
+    for i in range(2):
+        p, n = int(ro.prompt_len[i]), int(ro.attention_mask[i].sum())
+        assert ro.loss_mask[i, p:n].all()
 
 
 def test_max_turns_zero_and_max_len(byte_tokenizer):
