@@ -34,6 +34,8 @@ def make(args):
     corpus = resolve_path(args.corpus) if args.corpus else None
     kind = None if args.kind == "auto" else args.kind
     dense_kw = dict(device=args.device, mmap=args.mmap)
+    if args.query_prefix is not None:
+        dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
         kw = dense_kw if index_kind(args.index) == "dense" else {}
         if kw and args.encoder:
@@ -68,7 +70,9 @@ def build(args) -> None:
                                batch_size=args.batch_size, max_length=args.max_length, device=args.device,
                                keep_shards=args.keep_shards)
     else:
-        r = build_bm25_folder(corpus, args.out)
+        if args.k1 < 0 or not 0 <= args.b <= 1:
+            sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 (got --k1 {args.k1}, --b {args.b})")
+        r = build_bm25_folder(corpus, args.out, k1=args.k1, b=args.b)
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
@@ -97,17 +101,21 @@ def main(argv=None) -> None:
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
         a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5)")
         a("--device", default="cpu", help="dense: torch device of the encoder")
+        a("--query_prefix", default=None, help="dense: text before each query (default: " + (
+          "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")
         if name == "build":
             a("--out", required=True, help="folder to write the index to (rerun to resume a dense build)")
             a("--faiss", default="flat", help="dense: flat | hnsw | ivfpq | a faiss.index_factory string")
             a("--search_params", default=None, help="dense: faiss search parameters (default nprobe=64 for an IVF "
               "index, efSearch=128 for HNSW, none for flat)")
-            a("--query_prefix", default=None, help="dense: text before each query (default: by encoder name)")
             a("--passage_prefix", default=None, help="dense: text before each passage (default: by encoder name)")
             a("--shard_size", type=int, default=50_000, help="dense: passages per saved shard")
             a("--batch_size", type=int, default=64, help="dense: passages per encoder forward")
             a("--max_length", type=int, default=256, help="dense: tokens kept per passage and query")
             a("--keep_shards", action="store_true", help="dense: keep the encoded shards after the build")
+            a("--k1", type=float, default=1.5, help="bm25: term-frequency saturation (default 1.5, bm25s's; Search-R1's "
+              "BM25 server, Pyserini, uses 0.9)")
+            a("--b", type=float, default=0.75, help="bm25: passage-length normalisation (default 0.75; Pyserini: 0.4)")
         elif name == "query":
             a("--url", default=None, help="query a Search-R1-compatible server instead")
             a("--k", type=int, default=3, help="passages per query (default 3)")

@@ -13,6 +13,11 @@ so a query reads only its own terms' posting lists. Tokens are bm25s's: lowercas
 two or more characters, English stopwords dropped, no stemming. The files carry bm25s's
 names, so `bm25s.BM25.load(folder)` opens the same index.
 
+Search-R1's BM25 server (Pyserini's LuceneSearcher over its wiki-18 index) ranks differently:
+k1 = 0.9, b = 0.4 (`retrieve.py build --k1 0.9 --b 0.4` takes those), Porter stemming, and
+Lucene's tokenizer, which keeps one-character tokens ("Henry V", "3.5"). For its exact
+ranking, point `--retriever http` at that server.
+
 Building keeps (term, count) pairs per passage, never the text: the saved index takes 8
 bytes per distinct term of each passage, the build peaks at about 4x that (1M synthetic
 passages of ~100 words: 603 MiB on disk; wiki-18 at 21M passages: ~13 GB).

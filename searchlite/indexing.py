@@ -51,9 +51,9 @@ def _corpus(path, folder, kind: str) -> Corpus:
     return corpus
 
 
-def build_bm25_folder(corpus_path, folder, progress: bool = True) -> BM25Retriever:
-    """Index a corpus file with BM25 and save it to `folder`."""
-    r = BM25Retriever(_corpus(corpus_path, folder, "bm25"), progress=progress)
+def build_bm25_folder(corpus_path, folder, progress: bool = True, k1: float = 1.5, b: float = 0.75) -> BM25Retriever:
+    """Index a corpus file with BM25 (`k1`, `b`: see BM25Retriever) and save it to `folder`."""
+    r = BM25Retriever(_corpus(corpus_path, folder, "bm25"), progress=progress, k1=k1, b=b)
     r.save(folder)
     return r
 

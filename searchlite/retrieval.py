@@ -130,9 +130,11 @@ class BM25Retriever(Retriever):
     """Okapi BM25 over `title + text` with bm25s's tokenizer and Lucene scoring: the "bm25s"
     backend is searchlite.bm25's streaming, memory-mappable index (bm25s's file layout);
     "rank_bm25" is the pure-Python package, slower, for comparison on small corpora.
-    `index` is a prebuilt `BM25Index` to use instead of indexing `passages`."""
+    `index` is a prebuilt `BM25Index` to use instead of indexing `passages`. `k1` and `b` are
+    bm25s's defaults; Search-R1's BM25 server (Pyserini) scores with k1 = 0.9, b = 0.4."""
 
-    def __init__(self, passages, backend: str = "bm25s", index=None, progress: bool = True):
+    def __init__(self, passages, backend: str = "bm25s", index=None, progress: bool = True,
+                 k1: float = 1.5, b: float = 0.75):
         from searchlite.bm25 import build_bm25
 
         if backend not in ("bm25s", "rank_bm25"):
@@ -145,14 +147,14 @@ class BM25Retriever(Retriever):
             from rank_bm25 import BM25Okapi
             from searchlite.bm25 import tokenize
 
-            self.index = BM25Okapi(tokenize([f"{p.title}\n{p.text}" for p in self.passages]))
+            self.index = BM25Okapi(tokenize([f"{p.title}\n{p.text}" for p in self.passages]), k1=k1, b=b)
         elif index is not None:
             if index.num_docs != len(self.passages):
                 raise ValueError(f"BM25 index holds {index.num_docs} passages but there are {len(self.passages)}")
             self.index = index
         else:
             show = progress and len(self.passages) >= _SHOW_PROGRESS
-            self.index = build_bm25(batches(self.passages, 10_000), len(self.passages), progress=show)
+            self.index = build_bm25(batches(self.passages, 10_000), len(self.passages), k1, b, progress=show)
 
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
         import numpy as np
@@ -194,14 +196,20 @@ class BM25Retriever(Retriever):
 
 def default_prefixes(encoder: str) -> tuple[str, str]:
     """(query prefix, passage prefix) an encoder was trained with, judged by its name:
-    E5 wants "query: " / "passage: "; BGE an instruction before queries only.
+    E5 wants "query: " / "passage: "; BGE an instruction before queries only. A folder in the
+    Hugging Face cache (models--org--name/snapshots/<commit>) goes by its model's name.
 
     >>> default_prefixes("intfloat/e5-base-v2")
+    ('query: ', 'passage: ')
+    >>> default_prefixes("/hf/hub/models--intfloat--e5-base-v2/snapshots/1c644c92ad3ba1efdad3f1451a637716616a20e8")
     ('query: ', 'passage: ')
     >>> default_prefixes("sentence-transformers/all-MiniLM-L6-v2")
     ('', '')
     """
-    name = os.path.basename(str(encoder).rstrip("/\\")).lower()
+    parts = str(encoder).replace("\\", "/").rstrip("/").split("/")
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        parts = parts[:-2]  # the cache's models--org--name folder
+    name = parts[-1].lower()
     if re.search(r"(^|[-_])e5([-_]|$)", name):
         return "query: ", "passage: "
     if "bge" in name:

@@ -142,11 +142,13 @@ def test_corpus_reads_all_bytes_of_a_batch(tmp_path, monkeypatch, toy_passages):
 # ---------------------------------------------------------------------------- BM25
 
 
-def test_streaming_bm25_scores_equal_bm25s(toy_passages, tmp_path):
+@pytest.mark.parametrize("k1, b", [(1.5, 0.75), (0.9, 0.4)])  # bm25s's defaults; Pyserini's (Search-R1's server)
+def test_streaming_bm25_scores_equal_bm25s(toy_passages, tmp_path, k1, b):
     import bm25s
 
-    r = build_bm25_folder(TOY, tmp_path / "bm25", progress=False)
-    ref = bm25s.BM25()
+    r = build_bm25_folder(TOY, tmp_path / "bm25", progress=False, k1=k1, b=b)
+    r = load_index(tmp_path / "bm25")  # the folder keeps k1 and b
+    ref = bm25s.BM25(k1=k1, b=b)
     ref.index(bm25s.tokenize([f"{p.title}\n{p.text}" for p in toy_passages], stopwords="en", show_progress=False),
               show_progress=False)
     reopened = bm25s.BM25.load(tmp_path / "bm25")  # our files in bm25s's layout
@@ -410,6 +412,20 @@ def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_
     with pytest.raises(ValueError, match="449 passages"):
         build_retriever("dense", toy_passages[:-1], encoder=encoder, index=str(tmp_path / "e5_Flat.index"))
 
+    # an encoder folder whose name does not say E5: `retrieve.py query/serve --query_prefix` says it
+    import argparse
+
+    import retrieve
+
+    unnamed = tmp_path / "encoder"
+    unnamed.symlink_to(encoder, target_is_directory=True)
+    flags = dict(url=None, corpus=str(corpus), kind="dense", device="cpu", mmap=False, pooling="mean",
+                 index=str(tmp_path / "e5_Flat.index"), encoder=str(unnamed))
+    assert retrieve.make(argparse.Namespace(**flags, query_prefix=None)).query_prefix == ""
+    r = retrieve.make(argparse.Namespace(**flags, query_prefix="query: "))
+    for row, hits in zip(expected, r.search(QUERIES, 3)):
+        assert [h.score for h in hits] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-5)
+
 
 def test_cli_build_and_query(tmp_path, capsys, toy_passages):
     import retrieve
@@ -425,6 +441,13 @@ def test_cli_build_and_query(tmp_path, capsys, toy_passages):
         retrieve.main(["query", "--kind", "dense", "who?"])  # the flags, not build_retriever's arguments
     retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--out", str(tmp_path / "auto")])  # auto: bm25
     assert (tmp_path / "auto" / "bm25.json").is_file()
+    retrieve.main(["build", "--corpus", "toy/corpus.jsonl", "--k1", "0.9", "--b", "0.4", "--out", str(tmp_path / "p")])
+    pyserini, plain = load_index(tmp_path / "p").index, load_index(tmp_path / "i").index
+    assert (pyserini.k1, pyserini.b, plain.k1, plain.b) == (0.9, 0.4, 1.5, 0.75)
+    assert not np.allclose(pyserini.data, plain.data)
+    for bad in (["--k1", "-1"], ["--b", "1.5"]):
+        with pytest.raises(SystemExit, match="BM25 needs --k1 >= 0 and 0 <= --b <= 1"):
+            retrieve.main(["build", "--corpus", "toy/corpus.jsonl", *bad, "--out", str(tmp_path / "bad")])
     missing = ["--corpus", "nowhere.jsonl"]
     for argv in (["build", *missing, "--out", str(tmp_path / "n")], ["query", *missing, "q"]):
         with pytest.raises(SystemExit, match="--corpus nowhere.jsonl: no such file"):
