@@ -99,7 +99,7 @@ def main(argv=None) -> None:
               "e5_Flat.index")
             a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
-        a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5)")
+        a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5; BGE takes cls)")
         a("--device", default="cpu", help="dense: torch device of the encoder")
         a("--query_prefix", default=None, help="dense: text before each query (default: " + (
           "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")

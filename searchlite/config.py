@@ -62,7 +62,7 @@ class Config:
     retriever: str = "bm25"  # bm25 | rank_bm25 | dense | http
     corpus: str = "toy/corpus.jsonl"  # passages JSONL (Search-R1 wiki-18 or id/title/text format)
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
-    pooling: str = "mean"  # dense retriever pooling: mean | cls
+    pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
     index: str = ""  # dense retriever: saved index folder to load instead of encoding the corpus
     retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000
     topk: int = 3  # passages returned per search
