@@ -144,13 +144,13 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     use_mem = cfg.mem_coef > 0 and dist.all_max(int(mem is not None)) > 0  # torchrun: some rank has rewrites
     n_mem = len(mem) if mem is not None else 0
     mem_shares = [t.tolist() for t in torch.tensor_split(torch.arange(n_mem), len(minis))] if use_mem else []
+    # what the loss averages over: policy tokens (token_mean) or sequences with one (seq_mean_token_mean)
+    units = (lambda m: m.sum()) if cfg.loss_agg == "token_mean" else (lambda m: m.any(1).sum())  # noqa: E731
     for _ in range(cfg.ppo_epochs):
         for j, mini in enumerate(minis):
-            # token_mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
-            # gradients, so each rank divides by all ranks' token count over the world size (the
-            # same for seq_mean_token_mean's count of sequences, those with a policy token)
-            n_tok = max(1.0, dist.all_sum(float(ro.loss_mask[mini].sum()))) / dist.world()
-            n_seq = max(1.0, dist.all_sum(float(ro.loss_mask[mini].any(1).sum()))) / dist.world()
+            # the mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
+            # gradients, so each rank divides by all ranks' count over the world size
+            n_units = max(1.0, dist.all_sum(float(units(ro.loss_mask[mini])))) / dist.world()
             for rows in micro_batches(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1)):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
@@ -159,7 +159,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 logits = policy(input_ids=ids, attention_mask=attn).logits / cfg.temperature  # (b, t, V)
                 logp = token_logprobs(logits, ids)  # (b, t)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
-                weight = float(lm.sum()) / n_tok if cfg.loss_agg == "token_mean" else float(lm.any(1).sum()) / n_seq
+                weight = float(units(lm)) / n_units
                 pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
                                            cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
