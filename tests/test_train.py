@@ -292,19 +292,26 @@ class Capture:
             p.grad = None
 
 
+def _update_inputs(model, tokenizer, lengths, g, empty=()):
+    """(rollout, old log-probs, advantages) of random responses of `lengths` after 4-token prompts;
+    each response's second token is retrieved (loss_mask 0), and the rows in `empty` all are."""
+    from searchlite.rollout import _collate
+
+    n = len(lengths)
+    prompts = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in lengths]
+    resp = [torch.randint(3, 200, (k,), generator=g).tolist() for k in lengths]
+    masks = [[0] * k if i in empty else [1, 0] + [1] * (k - 2) for i, k in enumerate(lengths)]
+    ro = _collate(prompts, resp, masks, [0] * n, [1] * n, [None] * n, [[]] * n, tokenizer)
+    old_logp = train.score_tokens(model, ro, 8, "cpu")
+    return ro, old_logp, torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
+
+
 def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient(tiny_llama, byte_tokenizer):
     """update() with --entropy_coef c: its gradient minus the gradient at c = 0 is -c times the
     gradient of the policy tokens' mean entropy, computed here with torch's Categorical."""
     from searchlite.config import parse_args
-    from searchlite.rollout import _collate
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in range(3)]
-    resp = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 3, 6)]
-    ro = _collate(prompts, resp, [[1, 0] + [1] * (len(r) - 2) for r in resp], [0] * 3, [1] * 3, [None] * 3,
-                  [[]] * 3, byte_tokenizer)
-    old_logp = train.score_tokens(tiny_llama, ro, 8, "cpu")
-    adv = torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6), torch.Generator().manual_seed(0))
 
     def grads(coef):
         cfg = parse_args(["--preset", "none", "--entropy_coef", str(coef), "--kl_coef", "0", "--grad_clip", "1e9",
@@ -328,18 +335,11 @@ def test_micro_batches_sum_to_the_gradient_of_the_whole_mini_batch(tiny_llama, b
     also when a row has no policy token (all its response retrieved): under seq_mean_token_mean
     such a row is no sequence of the mean, whichever micro-batch it falls in."""
     from searchlite.config import parse_args
-    from searchlite.rollout import _collate
 
     g = torch.Generator().manual_seed(1)
-    lengths = (5, 2, 7, 3, 6)  # micro-batches of 2 by length: rows [1, 3], [0, 4], [2]
-    prompts = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in lengths]
-    resp = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
-    masks = [[1, 0] + [1] * (n - 2) for n in lengths]
-    masks[1] = [0, 0]  # row 1: no policy token, in a micro-batch with row 3
-    ro = _collate(prompts, resp, masks, [0] * 5, [1] * 5, [None] * 5, [[]] * 5, byte_tokenizer)
-    old_logp = train.score_tokens(tiny_llama, ro, 8, "cpu")
+    # micro-batches of 2 by length: rows [1, 3], [0, 4], [2]; row 1 has no policy token, beside row 3
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 2, 7, 3, 6), g, empty=(1,))
     ref_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)  # a KL term with a gradient
-    adv = torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
 
     def grads(micro):
         cfg = parse_args(["--preset", "none", "--algo", "grpo", "--kl_coef", "0.1", "--entropy_coef", "0.01",
