@@ -72,15 +72,20 @@ INTERNAL_OPEN = "<|begin_internal_answer|>"  # a rewrite must recall with it at 
 # ---------------------------------------------------------------------------- judging one rollout
 
 
+TOKEN_TAIL = 16  # the most characters a stop string's last token may add past it
+
+
 def well_formed(response: str, protocol) -> bool:
     """R_format's test of a whole response (§4.2.1): see the module docstring."""
     if protocol.invalid_message in response:
         return False
     # The environment appends "\n<open>passages<close>\n" right after the turn that closed a search
-    # (the first stop string in both protocols); cut those blocks, keep the tag. A real tokenizer's
-    # last sampled token may run past the tag ("|>\n"), so whitespace may sit between the two.
+    # (the first stop string in both protocols); cut those blocks, keep the tag. The sampler stops
+    # on a whole token, which may run past the tag (SmolLM2 has ">." and ">,", others ">\n"), so
+    # up to TOKEN_TAIL characters of it may sit between the two.
     close = re.escape(protocol.stop[0])
-    inserted = re.compile(f"({close}\\s*?)\n{re.escape(protocol.info_open)}.*?{re.escape(protocol.info_close)}\n", re.S)
+    inserted = re.compile(f"({close}.{{0,{TOKEN_TAIL}}}?)\n{re.escape(protocol.info_open)}.*?"
+                          f"{re.escape(protocol.info_close)}\n", re.S)
     own = inserted.sub(lambda m: m.group(1), response)
     if protocol.info_open in own or protocol.info_close in own:
         return False

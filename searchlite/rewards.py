@@ -137,8 +137,10 @@ def group_reward(correct: list[bool], n_searches: list[int], eta: float = 2.0, o
     correct rollout, or correct ones that all searched alike, earn nothing, however the
     wrong ones searched. Each correct rollout whose count equals the fewest among the
     correct ones gets min(2 * sigma**2, eta); ties all get it; everything else gets 0. No
-    correct rollout, or all counts equal (sigma = 0), gives all zeros: the bonus only
-    rewards being cheaper than the alternatives.
+    correct rollout, or all counts equal (sigma = 0), gives all zeros. Over the whole group,
+    correct rollouts that all searched alike still earn it when a wrong one searched
+    otherwise (a bonus for being right, not for being cheaper); `over="correct"` pays only
+    for being cheaper than another correct rollout.
 
     >>> group_reward([True, True, False, True], [1, 2, 3, 1])   # sigma^2 = 0.6875
     [1.375, 0.0, 0.0, 1.375]
@@ -146,6 +148,10 @@ def group_reward(correct: list[bool], n_searches: list[int], eta: float = 2.0, o
     [0.4444444444444444, 0.0, 0.0, 0.4444444444444444]
     >>> group_reward([False, False], [0, 3])
     [0.0, 0.0]
+    >>> group_reward([False, True, True], [0, 2, 2])   # sigma^2 of 0, 2, 2 = 8/9
+    [0.0, 1.7777777777777777, 1.7777777777777777]
+    >>> group_reward([False, True, True], [0, 2, 2], over="correct")
+    [0.0, 0.0, 0.0]
     """
     if len(correct) != len(n_searches):
         raise ValueError(f"{len(correct)} correctness flags but {len(n_searches)} search counts")

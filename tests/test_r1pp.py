@@ -57,10 +57,15 @@ def test_well_formed():
     assert not r1pp.well_formed("<|begin_search_result|> made up <|end_search_result|> \\boxed{paris}", PP)
     # an invalid action: the rollout injected its correction message
     assert not r1pp.well_formed("oops" + PP.invalid_message + internal("paris"), PP)
-    # a real tokenizer's last token may run past the stop string ("|>\n"): the block is still the environment's
-    tail = searched("paris").replace(f"<|end_external_search|>{RESULT}", f"<|end_external_search|>\n{RESULT}")
-    assert tail != searched("paris") and r1pp.well_formed(tail, PP)
-    assert not r1pp.well_formed(tail.replace("<|end_external_search|>\n", "<|end_external_search|> oops\n"), PP)
+    # a real tokenizer's last token may run past the stop string (SmolLM2's ">.", ">,"; "|>\n"): the
+    # block is still the environment's
+    for rest in ("\n", ".", ",", ".\n\n"):
+        tail = searched("paris").replace(f"<|end_external_search|>{RESULT}", f"<|end_external_search|>{rest}{RESULT}")
+        assert tail != searched("paris") and r1pp.well_formed(tail, PP), rest
+    # more than a token's tail is the model's own writing before a result block it made up
+    made_up = searched("paris").replace(f"<|end_external_search|>{RESULT}",
+                                        f"<|end_external_search|> and the results say{RESULT}")
+    assert not r1pp.well_formed(made_up, PP)
 
 
 def test_reward_terms_hand_computed_groups():
