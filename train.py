@@ -100,11 +100,15 @@ RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optim
 RESUME_FIXED_LORA = ("lora_alpha", "lora_targets")  # only an adapter keeps these
 
 
-def check_resume(cfg) -> None:
-    """A ConfigError if --resume would continue a checkpoint trained with other RESUME_FIXED settings."""
+RESUME_FREE = ("resume", "steps", "out_dir")  # expected to differ on a resume: not worth a note
+
+
+def check_resume(cfg) -> list[str]:
+    """A ConfigError if --resume would continue a checkpoint trained with other RESUME_FIXED settings;
+    else the other settings this run changes, "name: old -> new", for a note (they apply from here on)."""
     ckpt = find_checkpoint(cfg.out_dir) if cfg.resume else None
     if ckpt is None:
-        return
+        return []
     saved = load_trainer_state(ckpt, mmap=True)["config"]
     keys = RESUME_FIXED + RESUME_FIXED_PPO * (cfg.algo == "ppo") + RESUME_FIXED_LORA * bool(cfg.lora_rank)
     norm = lambda k, v: sorted(t.strip() for t in v.split(",")) if k == "lora_targets" else v  # noqa: E731
@@ -113,6 +117,8 @@ def check_resume(cfg) -> None:
     if changed:
         raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule and "
                           "adapter keep the checkpoint's, so resume with those settings, or start a new --out_dir")
+    return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in vars(cfg).items()
+            if k in saved and k not in RESUME_FREE + keys and saved[k] != v]
 
 
 def compute_rewards(ro, questions) -> torch.Tensor:
@@ -204,7 +210,7 @@ def main(argv=None) -> None:
         cfg = parse_args(argv)
         check_config(cfg)  # choices, counts, files and prompts, before anything is loaded
         check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
-        check_resume(cfg)  # --resume with a setting that the checkpoint's own would override
+        changes = check_resume(cfg)  # --resume with a setting that the checkpoint's own would override
     except ConfigError as e:
         sys.exit(f"error: {e}")
     out = Path(cfg.out_dir)
@@ -226,6 +232,9 @@ def main(argv=None) -> None:
     # answer stops the run in seconds, not after a 3B model has loaded
     try:
         train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+        for name, qa in (("train_data", train_qa), ("test_data", test_qa)):
+            if not qa:
+                raise DataError(f"--{name} {getattr(cfg, name)}: no questions in the file")
         retriever = config_retriever(cfg)
     except (DataError, ConfigError) as e:
         sys.exit(f"error: {e}")
@@ -317,6 +326,12 @@ def main(argv=None) -> None:
         start = state["step"]
         if dist.is_main():
             print(f"resumed from {ckpt} at step {start}", flush=True)
+            if changes:  # config.json now holds this run's settings; the checkpoint keeps the earlier steps'
+                print(f"note: from step {start + 1} on, this run changes the checkpoint's settings: "
+                      f"{'; '.join(changes)}", flush=True)
+            if start >= cfg.steps:
+                print(f"the checkpoint is already at step {start} of --steps {cfg.steps}: nothing to train "
+                      "(a larger --steps trains on)", flush=True)
     elif cfg.resume and dist.is_main():
         print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
     if dist.is_main():  # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
@@ -387,6 +402,7 @@ def main(argv=None) -> None:
             policy.train()
             stats = update(cfg, step, train_policy, opt, ro, old_logp, ref_logp, adv, device, train_critic, critic_opt,
                            old_values, ret, mem)
+            lr = sched.get_last_lr()[0]  # the rate this step trained at (warm-up: before the schedule moves on)
             sched.step()
             if critic is not None:
                 critic_sched.step()
@@ -404,7 +420,7 @@ def main(argv=None) -> None:
                 "response_len": dist.mean(ro.loss_mask.sum(1)),
                 **{k: dist.all_mean(sum(v)) / n_mini for k, v in stats.items()
                    if v and k not in ("grad_norm", "mem_loss")},
-                "grad_norm": float(np.mean(stats["grad_norm"])), "lr": sched.get_last_lr()[0],
+                "grad_norm": float(np.mean(stats["grad_norm"])), "lr": lr,
                 "t_rollout": t_rollout, "t_push": t_push, "seconds": time.time() - t0,
             }
             if rewriter is not None:
@@ -455,6 +471,9 @@ def main(argv=None) -> None:
                 break
     if dist.is_main():
         metrics_file.close()
+        if not stop.requested:
+            print(f"done: {out / 'checkpoint' / 'policy'} holds the step-{cfg.steps} model, {out / 'metrics.jsonl'} "
+                  f"its log (python evaluate.py --model {out})", flush=True)
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed
     dist.close()
     stop.exit_if_requested()  # 130 after Ctrl-C: a script running train.py stops too

@@ -118,16 +118,26 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
 
 
-def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_path, varied_reward):
+def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_path, varied_reward, capsys):
     """The restored optimizer and schedule keep the checkpoint's learning rate: a resume with
-    another --lr (or seed, weight decay, ...) is refused, naming it, before any model loads."""
+    another --lr (or seed, weight decay, ...) is refused, naming it, before any model loads; the
+    settings a resume does change are named; each step logs the rate it trained at (warm-up)."""
     out = tmp_path / "run"
-    train.main(args(tiny_model, out, "grpo", steps=1))
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--warmup_steps", "2"]))
     with pytest.raises(SystemExit, match=r"was trained with lr = 0.01, this run has 0.001; its optimizer"):
-        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--lr", "1e-3"]))
-    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--kl_coef", "0.01",  # this one applies
+        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--lr", "1e-3"]))
+    capsys.readouterr()
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume",
+                                                             "--kl_coef", "0.01",  # this one applies
                                                              "--critic_lr", "1", "--lora_alpha", "3"]))  # unused
+    printed = capsys.readouterr().out
+    assert "note: from step 2 on, this run changes the checkpoint's settings: " in printed
+    assert "kl_coef: 0.001 -> 0.01" in printed and "steps:" not in printed and "lr: 0.01" not in printed
+    assert f"done: {out / 'checkpoint' / 'policy'} holds the step-2 model" in printed
     assert [r["step"] for r in metrics(out)] == [0, 1, 2]
+    assert [r["lr"] for r in metrics(out)[1:]] == [pytest.approx(0.005), pytest.approx(0.01)]  # (s + 1) / 2 of lr
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--kl_coef", "0.01"]))
+    assert "already at step 2 of --steps 2: nothing to train" in capsys.readouterr().out
 
 
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
@@ -208,6 +218,9 @@ def test_bad_data_line_stops_the_run_before_any_model_loads(tiny_model, tmp_path
     data.write_text('{"question": "who?", "golden_answers": ["x"]}\n{"question": "where?"}\n')
     monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the data were read"))
     with pytest.raises(SystemExit, match=rf"error: {data}:2: missing field 'golden_answers'"):
+        train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--train_data", str(data)]))
+    data.write_text("\n")  # no questions at all
+    with pytest.raises(SystemExit, match=rf"error: --train_data {data}: no questions in the file"):
         train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--train_data", str(data)]))
 
 
