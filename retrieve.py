@@ -127,8 +127,8 @@ def main(argv=None) -> None:
             a("--topk", type=int, default=3, help="passages per query for a request that sends no topk, null or 0 "
               "(Search-R1's server does the same with its --topk)")
             a("--max_query_chars", type=int, default=HTTP_QUERY_CHARS,
-              help="a longer query is cut to this many characters (searchlite's client cuts its queries to "
-                   "the default)")
+              help="a longer query is cut to this many characters (default %(default)s, where searchlite's "
+                   "client cuts its queries)")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):

@@ -63,7 +63,7 @@ class Config:
     corpus: str = "toy/corpus.jsonl"  # passages JSONL (Search-R1 wiki-18 or id/title/text format)
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
     pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
-    index: str = ""  # dense retriever: saved index folder to load instead of encoding the corpus
+    index: str = ""  # a saved index folder (retrieve.py build: BM25 or dense) to load instead of indexing the corpus
     retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000
     topk: int = 3  # passages returned per search
     # --- protocol and rollout
@@ -110,7 +110,7 @@ class Config:
     reward: str = "em"  # em (Search-R1: exact match) | r1pp (R1-Searcher++ §4.2.1: format + cover-EM + group reward)
     group_reward: bool = True  # r1pp reward: R_group = min(2 sigma^2, eta) to the correct rollout(s) with fewest searches
     eta: float = 2.0  # cap of the group reward (R1-Searcher++'s eta); sigma = std of the group's search counts
-    group_sigma: str = "group"  # sigma over the whole group's search counts, or over its correct rollouts' only
+    group_sigma: str = "group"  # group | correct: R_group's sigma over the whole group's search counts, or its correct rollouts' only
     mem_coef: float = 0.0  # mu: weight of the memorization loss L_M on internal-only rewrites (§4.2.2); 0 = off
     cold_start_sampler: str = "policy"  # stage 1 (python -m searchlite.r1pp stage1): policy (the model) | teacher (toy world)
     sft_questions: int = 0  # stage 1: train questions to rejection-sample, `group` samples each; 0 = all
@@ -327,9 +327,10 @@ IN_RANGE = {  # float fields: (low, high, low included); a value outside fails b
 
 
 def is_hub_name(spec: str) -> bool:
-    """True for a Hugging Face hub name (org/name) that is not a path here; `toy/...` is always a path."""
+    """True for a Hugging Face hub name (org/name) that is not a path here; `toy/...` is always a path,
+    and so is `dir/name` where `dir` is a folder here (`runs/typo` is a missing run, not a hub model)."""
     return (re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith(("toy/", "."))
-            and not Path(spec).exists())
+            and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
 def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:

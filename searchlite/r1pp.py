@@ -441,7 +441,9 @@ USAGE = """usage: python -m searchlite.r1pp stage1 [--preset NAME] [--field valu
 R1-Searcher++ stage 1, the SFT cold start (see this module's docstring). Reads model,
 train_data, the retrieval and rollout fields, group (samples per question), batch_size
 (questions per rollout call), cold_start_sampler, sft_questions, sft_epochs, sft_lr, sft_rewrites and
-sft_batch_size; writes out_dir/model, then train with `python train.py --model OUT_DIR/model`.
+sft_batch_size; writes out_dir/model. Stage 2 starts from it: `python train.py --preset toy-r1pp`
+reads runs/toy-r1pp-sft/model, `--preset r1pp-qwen2.5-7b` runs/r1pp-qwen2.5-7b-sft/model; add
+`--model OUT_DIR/model` for another out_dir (the preset also sets the protocol and reward).
 Each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl: after an
 interrupt, the same command with --resume samples only the batches still missing. The SFT saves
 its state to out_dir/sft_state.pt at each epoch's end and on Ctrl-C (after the step in hand);

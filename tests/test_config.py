@@ -254,6 +254,16 @@ def test_a_hub_name_is_left_to_transformers():
     assert checked("--model", "Qwen/Qwen2.5-3B") is None
 
 
+def test_a_missing_run_in_a_folder_here_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    from searchlite.config import is_hub_name
+
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_name("runs/typo")  # no runs/ here: it could be a hub model
+    (tmp_path / "runs").mkdir()
+    assert not is_hub_name("runs/typo")
+    assert "--model runs/typo: no such folder" in checked("--model", "runs/typo")
+
+
 def test_cuda_without_a_gpu_is_refused():
     import torch
 
