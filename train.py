@@ -480,4 +480,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, or a second one inside it
+        sys.stderr.write("\ninterrupted: the last checkpoint, if there is one, is intact (--resume continues "
+                         "from it); nothing after it was saved\n")
+        sys.exit(130)
