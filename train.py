@@ -220,8 +220,16 @@ def main(argv=None) -> None:
         dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank, cfg.optimizer)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    found = find_checkpoint(out)
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
         print(f"config:\n{format_config(cfg)}", flush=True)
+        if found and not cfg.resume:  # a forgotten --resume loses nothing before this run's first save
+            for name in ("config.json", "metrics.jsonl"):
+                if (out / name).exists():
+                    (out / name).replace(out / name.replace(".", ".previous.", 1))
+            print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh and replaces it at its "
+                  "first save (--resume continues it instead); its config.json and metrics.jsonl are kept as "
+                  "config.previous.json and metrics.previous.jsonl", flush=True)
         save_config(cfg, out / "config.json")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -240,11 +248,7 @@ def main(argv=None) -> None:
         sys.exit(f"error: {e}")
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
-    found = find_checkpoint(out)
     ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
-    if found and not cfg.resume and dist.is_main():
-        print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh and replaces it at its "
-              "first save (--resume continues it instead)", flush=True)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     if cfg.lora_rank:  # the base model + a LoRA adapter: a new one, or the checkpoint's on resume
         policy = add_lora(load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing), cfg.lora_rank,

@@ -163,15 +163,17 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
 
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
-    """A fresh run in a used folder starts metrics.jsonl anew (and says it replaces the old
-    checkpoint); a run interrupted after its last checkpoint and resumed logs the steps it redoes
+    """A fresh run in a used folder starts metrics.jsonl anew, keeping the earlier one as
+    metrics.previous.jsonl (and says it replaces the old checkpoint); a run interrupted after its last checkpoint and resumed logs the steps it redoes
     once, not twice."""
     out, before = tmp_path / "run", signal.getsignal(signal.SIGINT)
     train.main(args(tiny_model, out, "grpo", steps=1))
     assert "holds a checkpoint" not in capsys.readouterr().out
+    first = (out / "metrics.jsonl").read_text()
     train.main(args(tiny_model, out, "grpo", steps=1))
     assert f"note: {out} holds a checkpoint of an earlier run; this run starts fresh" in capsys.readouterr().out
     assert [r["step"] for r in metrics(out)] == [0, 1]
+    assert (out / "metrics.previous.jsonl").read_text() == first and (out / "config.previous.json").exists()
     rewards, calls = train.compute_rewards, []
 
     def interrupted(ro, qs):  # step 4's rewards: an interrupt after step 3 was logged, with the checkpoint at 2
