@@ -317,14 +317,14 @@ def main(argv=None) -> None:
 
     start = 0
     if ckpt is not None:
-        state = load_trainer_state(ckpt)
+        state = load_trainer_state(ckpt, mmap=True)  # each rank reads what it uses, not a copy of it all
         dist.load_optimizer_state(policy, opt, state["opt"])
         sched.load_state_dict(state["sched"])
         if critic is not None:
             dist.load_optimizer_state(critic, critic_opt, state["critic_opt"])
             critic_sched.load_state_dict(state["critic_sched"])
         sampler.load_state_dict(dist.this_rank(state["sampler"]))  # per-rank states: see the checkpoint below
-        if rewriter is not None:
+        if rewriter is not None and "rewriter" in state:  # (a run resumed with --mem_coef newly on: a new one)
             rewriter.load_state_dict(dist.this_rank(state["rewriter"]))
         set_rng_state(dist.this_rank(state["rng"]))
         start = state["step"]
@@ -387,6 +387,7 @@ def main(argv=None) -> None:
             with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
                 ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
                             if ref is not None else old_logp)
+            dist.release(ref)  # FSDP2: the root's gathered weights, which only a backward would free
             kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
 
             # -------------------------------------------------------------- advantages

@@ -288,6 +288,14 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def release(model: nn.Module | None) -> None:
+    """FSDP2 keeps the root unit's weights (embeddings, head, final norm) gathered after a forward
+    pass, for the backward it expects next; a model that never runs one (the reference) frees
+    them here. Nothing to do otherwise."""
+    if is_sharded(model):
+        model.reshard()
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module | None):
     """Full weights on every rank inside the block (FSDP2); nothing to do otherwise (or for None).

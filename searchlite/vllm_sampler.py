@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -50,31 +51,37 @@ from .config import resolve_path
 from .sampler import PromptTooLong
 
 
-def checkpoint_weights(model) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """`model`'s weights named as in its Hugging Face checkpoint, which is what vLLM's loaders read.
 
     A peft LoRA model gives its base weights with the active adapters' deltas added (computed
-    here, so the module is not merged and unmerged in place); a DTensor gives its whole tensor."""
+    here, so the module is not merged and unmerged in place); a DTensor gives its whole tensor.
+    They come one at a time, so beside the model there is one whole tensor (and its delta), not a
+    second model; under FSDP2 each is an all-gather, so every rank draws them all, in order."""
     if not hasattr(model, "peft_config"):
-        return [(name, _whole(t)) for name, t in model.state_dict().items()]
+        return ((name, _whole(t)) for name, t in model.state_dict().items())
     base = model.get_base_model()
-    deltas = {}  # checkpoint name -> B @ A * scaling of every LoRA layer not already merged
-    for name, module in base.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and not module.merged:
-            deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters)
-    tied = [n for n in deltas if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    lora = {f"{name}.weight": module for name, module in base.named_modules()  # LoRA layers not already merged
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and not module.merged}
+    tied = [n for n in lora if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
     if tied and getattr(base.config, "tie_word_embeddings", False):
         # vLLM keeps one matrix for both; the adapter made them two, which it cannot hold
         raise ValueError(f"LoRA on {', '.join(tied)} of a model with tied embeddings cannot be pushed to vLLM "
                          "(it keeps one matrix for both): leave embed_tokens and lm_head out of --lora_targets, "
                          "or use --sampler hf")
-    weights = []
+    return _merged(base, lora)
+
+
+def _merged(base, lora: dict) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in base.state_dict().items():
         if ".lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
-        weights.append((name, _whole(t) + _whole(deltas[name]) if name in deltas else _whole(t)))
-    return weights
+        w = _whole(t)
+        if name in lora:  # + B @ A * scaling (peft keeps adapters in float32): back to the base's dtype
+            module = lora[name]
+            w = (w + sum(module.get_delta_weight(a) for a in module.active_adapters)).to(w.dtype)
+        yield name, w
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +186,8 @@ class VLLMSampler:
         weights = checkpoint_weights(model)
         # the worker's in-place reload: the model's own loader (fuses q/k/v, gate/up), then kernel repacking
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        for _ in weights:  # FSDP2: a loader that stopped early still takes part in every rank's all-gathers
+            pass
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

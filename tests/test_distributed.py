@@ -186,7 +186,16 @@ def optimizer_round_trip(batch: dict, mine: list[int], model_dir: str) -> dict:
     a, b = opt.state_dict()["state"], loaded.state_dict()["state"]
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     same = a.keys() == b.keys() and all(torch.equal(local(a[i][k]), local(b[i][k])) for i in a for k in a[i])
-    return {"state": state, "params": params, "reload_equal": dist.all_sum(float(same)) == dist.world()}
+    # a frozen reference: FSDP2 keeps its root's weights whole after a forward, until dist.release
+    ref = load_policy(model_dir).requires_grad_(False)
+    dist.wrap_model(ref, "fsdp", torch.device("cpu"))
+    sharded = lambda: all(hasattr(p, "to_local") for p in ref.parameters())  # noqa: E731
+    with torch.no_grad():
+        ref(input_ids=ro.input_ids[:1])
+    after_forward = sharded()
+    dist.release(ref)
+    return {"state": state, "params": params, "reload_equal": dist.all_sum(float(same)) == dist.world(),
+            "ref_sharded": (after_forward, sharded())}
 
 
 def worker_logs(tmp: Path, lines: int = 30) -> str:
@@ -312,6 +321,7 @@ def test_fsdp_optimizer_state_is_one_process_format(setup):
     batch, model_dir, outputs = setup
     got = outputs["optimizer"]
     assert got["reload_equal"]
+    assert got["ref_sharded"] == (False, True)  # whole after a forward pass, sharded again after dist.release
     cfg = make_config("grpo")
     policy = load_policy(model_dir)
     opt, _ = make_optimizer(policy.parameters(), 1e-3, 0.0, 0)

@@ -507,6 +507,10 @@ def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
         last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
         assert torch.isfinite(torch.tensor(last["loss"])) and "mem_kept" not in last
         assert ("r_group" in last) == (name != "em") and last.get("r_group", 0.0) == 0.0
+    # a run without L_M resumed with it: its checkpoint has no rewriter state, the rewriter starts anew
+    train.main(stage2_args(tiny_model, out, ["--reward", "em", "--steps", "2", "--resume"]))
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and "mem_kept" in last
 
 
 def test_unknown_reward_exits():
