@@ -477,8 +477,8 @@ def main(argv=None) -> None:
     if dist.is_main():
         metrics_file.close()
         if not stop.requested:
-            print(f"done: {out / 'checkpoint' / 'policy'} holds the step-{cfg.steps} model, {out / 'metrics.jsonl'} "
-                  f"its log (python evaluate.py --model {out})", flush=True)
+            print(f"done: {out / 'checkpoint' / 'policy'} holds the step-{max(start, cfg.steps)} model, "
+                  f"{out / 'metrics.jsonl'} its log (python evaluate.py --model {out})", flush=True)
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed
     dist.close()
     stop.exit_if_requested()  # 130 after Ctrl-C: a script running train.py stops too
