@@ -275,8 +275,8 @@ def main(argv=None) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     train_policy, train_critic = dist.wrap_model(policy, parallel, device), dist.wrap_model(critic, parallel, device)
-    if ref is not None and not (cfg.lora_rank or cfg.ref_offload):  # a LoRA reference is the policy itself
-        dist.wrap_model(ref, parallel, device)
+    if ref is not None and not cfg.lora_rank:  # a LoRA reference is the policy itself
+        dist.wrap_model(ref, parallel, device, offload=cfg.ref_offload)  # FSDP2 + ref_offload: shards kept on CPU
     opt, sched = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.optimizer)
     critic_opt = critic_sched = None
     if critic is not None:

@@ -234,23 +234,27 @@ def choose_parallel(model: nn.Module, mode: str) -> str:
     return "fsdp" if trained >= FSDP_FROM_PARAMS else "ddp"
 
 
-def wrap_model(model: nn.Module | None, mode: str, device: torch.device) -> nn.Module | None:
+def wrap_model(model: nn.Module | None, mode: str, device: torch.device,
+               offload: bool = False) -> nn.Module | None:
     """The module to run training forward/backward passes through.
 
     One process: `model` itself. "fsdp": `model`, sharded in place by FSDP2 (each decoder layer
-    its own unit, then the root). "ddp": a DistributedDataParallel wrapper around `model` (use
-    `model` itself for generation and saving); a model without trainable parameters (the
-    reference) is returned as it is, a full copy on each rank. Build optimizers after this.
+    its own unit, then the root); with `offload` (--ref_offload) its shards stay in CPU memory and
+    each unit's are copied to the device when a forward pass gathers it. "ddp": a
+    DistributedDataParallel wrapper around `model` (use `model` itself for generation and
+    saving); a model without trainable parameters (the reference) is returned as it is, a full
+    copy on each rank. Build optimizers after this.
     """
     if model is None or world() == 1:
         return model
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = _mesh(device.type)
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
         for block in _blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
         return model
     if mode != "ddp":
         raise ValueError(f"wrap_model: mode must be 'ddp' or 'fsdp', got {mode!r}")

@@ -14,7 +14,8 @@ blockwise-quantized in 8 bits (2 bytes; Dettmers et al. 2022, arXiv 2110.02861; 
 4,096 elements stay 32-bit). LoRA (Hu et al. 2021, arXiv 2106.09685) trains low-rank adapters
 only: gradients and optimizer states for the adapters alone, and the reference is the frozen
 base seen with adapters disabled, so no second copy of the weights is kept. `ref_offload` keeps
-the reference's weights in CPU memory between scorings.
+the reference's weights in CPU memory between scorings (under FSDP2, its shards: each decoder
+layer's are copied to the GPU, and gathered, as the forward pass reaches it).
 
 A LoRA run's checkpoint holds the adapter only (`checkpoint/policy/adapter_config.json` and
 `adapter_model.safetensors`, plus the tokenizer); `--resume` loads the base and that adapter.
@@ -208,15 +209,14 @@ def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
 @contextlib.contextmanager
 def on_device(model, device, enabled: bool = True):
     """Inside the block `model` sits on `device`; after it, back in CPU memory. A no-op when not
-    `enabled` or `model` is None (the model then stays wherever it is)."""
-    if not enabled or model is None:
-        yield model
-        return
+    `enabled`, when `model` is None (the model then stays wherever it is), and for a model sharded
+    by FSDP2: `distributed.wrap_model(..., offload=True)` keeps its shards in CPU memory and each
+    forward pass copies a unit's shards to the device, so no rank ever holds a whole copy."""
     from .distributed import is_sharded
 
-    if is_sharded(model):
-        raise RuntimeError("ref_offload moves a whole reference model; under FSDP2 the reference is already "
-                           "sharded across ranks: drop --ref_offload or use --parallel ddp")
+    if not enabled or model is None or is_sharded(model):
+        yield model
+        return
     model.to(device)
     try:
         yield model

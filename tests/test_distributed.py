@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 import train
 from searchlite import distributed as dist
 from searchlite.config import Config
+from searchlite.memory import on_device
 from searchlite.models import Critic, load_policy, make_optimizer
 from searchlite.rollout import Rollout
 
@@ -194,8 +195,24 @@ def optimizer_round_trip(batch: dict, mine: list[int], model_dir: str) -> dict:
         ref(input_ids=ro.input_ids[:1])
     after_forward = sharded()
     dist.release(ref)
+    # --ref_offload under FSDP2: every unit keeps its shards in CPU memory (FSDP2's CPU offload);
+    # it scores as the whole model does, and on_device leaves it to FSDP2
+    off = load_policy(model_dir).requires_grad_(False)
+    dist.wrap_model(off, "fsdp", torch.device("cpu"), offload=True)
+    units = [m for m in off.modules() if hasattr(m, "_get_fsdp_state")]
+    offloaded = all(fp.offload_to_cpu for u in units for fp in u._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    with torch.no_grad(), on_device(off, torch.device("cpu")):
+        logits = off(input_ids=ro.input_ids[:2]).logits
+    dist.release(off)
+    with torch.no_grad():
+        whole = load_policy(model_dir)(input_ids=ro.input_ids[:2]).logits
     return {"state": state, "params": params, "reload_equal": dist.all_sum(float(same)) == dist.world(),
-            "ref_sharded": (after_forward, sharded())}
+            "ref_sharded": (after_forward, sharded()),
+            "offload": (len(units), offloaded, sharded_all(off), rel_err(logits, whole))}
+
+
+def sharded_all(model) -> bool:
+    return all(hasattr(p, "to_local") for p in model.parameters())
 
 
 def worker_logs(tmp: Path, lines: int = 30) -> str:
@@ -322,6 +339,10 @@ def test_fsdp_optimizer_state_is_one_process_format(setup):
     got = outputs["optimizer"]
     assert got["reload_equal"]
     assert got["ref_sharded"] == (False, True)  # whole after a forward pass, sharded again after dist.release
+    units, offloaded, sharded, err = got["offload"]
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    assert units == layers + 1 and offloaded and sharded  # each decoder layer, then the root
+    assert err < 1e-6  # --ref_offload's reference scores as the whole model does
     cfg = make_config("grpo")
     policy = load_policy(model_dir)
     opt, _ = make_optimizer(policy.parameters(), 1e-3, 0.0, 0)
@@ -341,13 +362,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def test_torchrun_train_smoke(tiny_model, tmp_path):
-    """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics file."""
+@pytest.mark.parametrize("offload", [[], ["--ref_offload"]], ids=["ref", "ref_offload"])
+def test_torchrun_train_smoke(tiny_model, tmp_path, offload):
+    """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics
+    file; also with the reference's shards kept in CPU memory (--ref_offload)."""
     from test_train import args
 
     out = tmp_path / "run"
     cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2",
-           "--batch_size", "4"]
+           "--batch_size", "4", *offload]
     res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
