@@ -356,7 +356,12 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Load an `optimizer_state` (or a 1-process `opt.state_dict()`) on every rank."""
+    """Load an `optimizer_state` (or a 1-process `opt.state_dict()`) on every rank.
+
+    Under FSDP2 every rank passes the whole state, and torch copies one tensor at a time to the
+    device and keeps this rank's shard of it. train.py reads it with mmap, so on one machine the
+    ranks share one copy in the page cache; rank 0 broadcasting it (`broadcast_from_rank0`) would
+    save no host memory there and would add a collective per tensor."""
     if not is_sharded(model):
         opt.load_state_dict(state)
         return
