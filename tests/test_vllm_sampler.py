@@ -242,6 +242,33 @@ def test_missing_vllm_names_the_setup_command(monkeypatch):
         VLLMSampler(TOY_MODEL)
 
 
+def test_a_lora_checkpoint_starts_the_engine_from_its_merged_model(monkeypatch, tmp_path):
+    """vLLM loads whole models: an adapter folder is replaced by its merged copy (model_spec.merged_folder)."""
+    import vllm
+
+    from searchlite import vllm_sampler
+    from searchlite.vllm_sampler import VLLMSampler
+
+    class Built(Exception):
+        pass
+
+    def llm(**kw):
+        raise Built(kw["model"], kw["tokenizer"])
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    merged = []
+    monkeypatch.setattr(vllm, "LLM", llm)
+    monkeypatch.setattr(vllm_sampler, "merged_folder", lambda m, dtype: merged.append((m, dtype)) or tmp_path / "m")
+    with pytest.raises(Built) as e:
+        VLLMSampler(str(adapter), dtype="bfloat16")
+    assert e.value.args == (str(tmp_path / "m"),) * 2 and merged == [(str(adapter), "bfloat16")]
+    with pytest.raises(Built) as e:
+        VLLMSampler(TOY_MODEL)  # a whole model is loaded as it is
+    assert e.value.args[0] == TOY_MODEL and len(merged) == 1
+
+
 def test_train_with_vllm_sampler(engine, tmp_path, monkeypatch):
     """train.py --sampler vllm: greedy evaluation through vLLM scores what HFSampler scores on the
     same weights, before the update and after it (so the update reached vLLM), and t_push is logged."""
