@@ -63,7 +63,7 @@ class Config:
     corpus: str = "toy/corpus.jsonl"  # passages JSONL (Search-R1 wiki-18 or id/title/text format)
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
     pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
-    index: str = ""  # a saved index folder (retrieve.py build: BM25 or dense) to load instead of indexing the corpus
+    index: str = ""  # an index folder (retrieve.py build), read with the corpus it was built from unless --corpus names another; or a FAISS file (--retriever dense)
     retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000
     topk: int = 3  # passages returned per search
     # --- protocol and rollout
@@ -91,7 +91,7 @@ class Config:
     clip_eps: float = 0.2  # PPO ratio clip
     value_clip_eps: float = 0.5  # PPO value clip
     kl_coef: float = 0.001  # weight of the KL to the reference policy
-    kl_kind: str = "k3"  # k1 | k3 estimator (GRPO uses k3 in the loss; PPO / REINFORCE++ k1 in the reward)
+    kl_kind: str = "k3"  # k1 | k3: estimator of GRPO's KL loss term and of the logged kl (PPO / REINFORCE++ always put k1 in the reward)
     entropy_coef: float = 0.0  # entropy bonus: policy loss - entropy_coef * entropy (Search-R1's verl: 0.001)
     gamma: float = 1.0  # discount over policy tokens
     lam: float = 1.0  # GAE lambda
@@ -120,7 +120,7 @@ class Config:
     sft_rewrites: int = 0  # stage 1, teacher only: rewrite demonstrations added to the SFT data (r1pp.rewrite_demos)
     # --- logging and evaluation
     log_trajectories_every: int = 10  # write a few whole trajectories (HTML) every N steps; 0 = never
-    eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end
+    eval_every: int = 0  # evaluate on test_data every N steps; 0 = only at the end (a fresh run also evaluates before step 1)
     eval_size: int = 0  # test questions used per evaluation; 0 = all
     save_every: int = 10  # checkpoint every N steps (and at the end, and on Ctrl-C); 0 = only then
 
@@ -251,14 +251,16 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
 
 
 def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py",
-               default_preset: str = DEFAULT_PRESET, reads: tuple[str, ...] = ()) -> Config:
+               default_preset: str = DEFAULT_PRESET, reads: tuple[str, ...] = (),
+               helps: dict[str, str] | None = None) -> Config:
     """Build a Config from `--preset NAME` and `--field value` flags (see module docstring);
     `default_preset` is applied when no --preset is given (and the file has it). `reads`, when
     given, are the only fields the program uses: --help lists those, and a flag for another is
-    refused rather than silently ignored."""
+    refused rather than silently ignored. `helps` replaces fields' --help texts where the
+    program reads them otherwise than train.py."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(usage(prog, presets, default_preset, reads))
+        print(usage(prog, presets, default_preset, reads, helps))
         raise SystemExit(0)
     pairs, preset = [], None  # preset None = the default one, if the file has it
     i = 0
@@ -362,9 +364,13 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name in ("model", "tokenizer"):
         spec = getattr(cfg, name)
         if spec and not Path(resolve_path(spec)).exists() and not is_hub_name(spec):
-            hint = (" (an earlier run's output: has that run finished? R1-Searcher++'s stage 2 starts from "
-                    "stage 1's model: python -m searchlite.r1pp stage1 --preset toy-r1pp-sft)"
-                    if cfg.protocol == "r1_searcher_pp" else "")
+            hint = ""
+            if cfg.protocol == "r1_searcher_pp":  # name the stage-1 preset that writes this model, if one does
+                writers = [n for n, t in read_presets(DEFAULT_PRESETS).items()
+                           if "out_dir" in t and Path(spec) == Path(t["out_dir"]) / "model"]
+                hint = (" (an earlier run's output: has that run finished? R1-Searcher++'s stage 2 starts from "
+                        "stage 1's model: python -m searchlite.r1pp stage1 --preset "
+                        f"{writers[0] if writers else 'toy-r1pp-sft, or r1pp-qwen2.5-7b-sft for the 7B'})")
             raise ConfigError(f"--{name} {spec}: no such folder{hint}; expected a Hugging Face model folder "
                               "(config.json + weights) or a hub name (org/name)")
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
@@ -438,8 +444,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET,
-          reads: tuple[str, ...] = ()) -> str:
-    helps = field_help()
+          reads: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> str:
+    helps = {**field_help(), **(helps or {})}
     lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
     table = {}  # the default preset's values, shown beside the defaults they replace
     if presets.exists():

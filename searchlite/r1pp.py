@@ -39,8 +39,8 @@ The paper released no code, so these choices are ours (and read off its text):
   answer's own words) that gives away that documents were shown (`GIVEAWAY`);
 - with several mini-batches a step, each mini-batch's optimizer step takes its share of the
   memorization trajectories, so mu * L_M weighs the same as with one.
-Left out on purpose: the paper's LLM-judged evaluation (see judge.py) and any rewrite model
-other than the frozen stage-1 policy.
+The paper's LLM-judged evaluation is judge.py's (`evaluate.py --judge_url`). Left out on
+purpose: any rewrite model other than the frozen stage-1 policy.
 """
 
 from __future__ import annotations
@@ -230,6 +230,12 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
                    "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "weight_decay", "grad_clip", "grad_checkpointing")  # what stage 1 reads
+STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
+    "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
+               "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>-<algo>",
+    "batch_size": "questions per rejection-sampling round (each round is appended to rejection_sampling.jsonl)",
+    "group": "trajectories sampled per question; the correct, well-formed ones are kept",
+}
 
 
 def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
@@ -465,7 +471,7 @@ def main(argv=None) -> None:
                  f"`python train.py --preset toy-r1pp`\n\n{USAGE}")
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
-                         reads=STAGE1_FIELDS)
+                         reads=STAGE1_FIELDS, helps=STAGE1_HELP)
         check_config(cfg, STAGE1_FIELDS)
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log

@@ -126,6 +126,19 @@ def test_a_program_that_reads_a_few_fields_suggests_only_those(capsys):
         parse_args(["--config", "x"], prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS)
 
 
+def test_stage_1_help_says_what_its_batch_group_and_out_dir_mean(capsys):
+    """Stage 1 reads --batch_size, --group and --out_dir otherwise than train.py; its --help says how."""
+    from searchlite.r1pp import STAGE1_FIELDS, STAGE1_HELP
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS, helps=STAGE1_HELP)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert "questions per rejection-sampling round" in lines["--batch_size"]
+    assert "trajectories sampled per question" in lines["--group"]
+    assert "rejection_sampling.jsonl" in lines["--out_dir"] and "metrics.jsonl" not in lines["--out_dir"]
+    assert lines["--seed"].split(None, 2)[2].startswith(field_help()["seed"])  # the others keep train.py's
+
+
 def test_every_field_has_help_and_help_prints(presets, capsys):
     helps = field_help()
     for name in Config.__dataclass_fields__:
@@ -241,10 +254,14 @@ def test_a_program_is_checked_only_on_the_fields_it_reads():
         check_config(cfg)
 
 
-def test_a_missing_stage_1_model_says_to_run_stage_1():
+def test_a_missing_stage_1_model_says_to_run_stage_1(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where no stage 1 has run
     got = checked("--preset", "toy-r1pp", "--model", "runs/never-ran/model")
     assert got.startswith("--model runs/never-ran/model: no such folder (an earlier run's output")
-    assert "python -m searchlite.r1pp stage1 --preset toy-r1pp-sft" in got
+    assert "python -m searchlite.r1pp stage1 --preset toy-r1pp-sft, or r1pp-qwen2.5-7b-sft for the 7B)" in got
+    # a stage-1 preset's own output folder names that preset
+    assert "stage1 --preset r1pp-qwen2.5-7b-sft)" in checked("--preset", "r1pp-qwen2.5-7b")
+    assert "stage1 --preset toy-r1pp-sft)" in checked("--preset", "toy-r1pp", "--model", "runs/toy-r1pp-sft/model")
 
 
 def test_a_hub_name_is_left_to_transformers():
