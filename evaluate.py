@@ -100,7 +100,7 @@ def uses_server(args) -> bool:
 def make_retriever(args):
     """The retriever of --retriever / --retriever_url; a server that does not answer is an EvalError."""
     from searchlite.config import ConfigError
-    from searchlite.retrieval import build_retriever, check_server
+    from searchlite.retrieval import build_retriever, check_server, index_corpus
 
     if uses_server(args):
         if not args.retriever_url:
@@ -110,7 +110,7 @@ def make_retriever(args):
         except ConfigError as e:
             raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url)
-    return build_retriever(args.retriever, resolve_path(args.corpus), encoder=args.encoder or None,
+    return build_retriever(args.retriever, index_corpus(args.corpus, args.index), encoder=args.encoder or None,
                            index=args.index or None)
 
 
@@ -237,7 +237,9 @@ def parse_args(argv=None):
     a("--corpus", default="toy/corpus.jsonl", help="passages JSONL for an in-process retriever")
     a("--retriever_url", default="", help="a Search-R1-compatible retrieval server (implies --retriever http)")
     a("--encoder", default="", help="dense retriever: encoder folder")
-    a("--index", default="", help="dense retriever: saved index folder")
+    a("--index", default="", help="a saved index folder (retrieve.py build: BM25 or dense), read with the corpus it "
+                                   "was built from unless --corpus names another; or, with --retriever dense, a "
+                                   "FAISS file over --corpus")
     a("--topk", type=at_least(1), default=3, help="passages per retrieval, for rag and search")
     a("--protocol", default=None, help="search_r1 | r1_searcher_pp (the search method; default: the one a train.py "
       "run or stage 1 given as --model was trained with, else search_r1)")

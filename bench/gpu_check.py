@@ -49,16 +49,19 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from searchlite.config import HelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 on CPU (or --device): the testable path")
     ap.add_argument("--device", default="", help="default: cuda:$LOCAL_RANK (0), or cpu with --tiny")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="dtype of the policy's and the reference's weights")
     ap.add_argument("--questions", type=int, default=8, help="toy questions in the batch (default 8; --tiny: 2)")
     ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5; --tiny: 2)")
     ap.add_argument("--max_new_tokens", type=int, default=128, help="tokens sampled per turn (default 128; --tiny: 8)")
     ap.add_argument("--max_turns", type=int, default=2, help="search turns before the forced answer (default 2)")
     ap.add_argument("--micro_batch_size", type=int, default=8, help="trajectories per forward/backward (default 8)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random model's weights and of the sampling")
     args = ap.parse_args(argv)
     if args.tiny:
         for name, small in (("questions", 2), ("group", 2), ("max_new_tokens", 8)):

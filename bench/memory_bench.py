@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from searchlite.config import local_path
+from searchlite.config import HelpFormatter, local_path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> train.py flags
@@ -153,7 +153,10 @@ def main() -> None:
         return child(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest)
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                 usage="%(prog)s [options] [-- TRAIN.PY FLAGS ...]",
+                                 epilog="Flags after -- go to every variant's train.py run, e.g. "
+                                        "-- --max_new_tokens 32 --batch_size 4.")
     ap.add_argument("--model", default="toy/model", help="policy folder, or random:HIDDENxLAYERS (default: toy/model)")
     ap.add_argument("--variants", default="", help=f"comma-separated, of: {', '.join(VARIANTS)} "
                     f"(default: {DEFAULT_VARIANTS}, and ref_offload on a GPU)")

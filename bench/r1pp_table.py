@@ -4,8 +4,8 @@
     python bench/r1pp_table.py --runs A B ...      # any train.py out_dirs
 
 For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
-evaluation (the first is the stage-1 model every run starts from; `step` says how far a run
-got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
+evaluation (the first is the model the run starts from: stage 1's, or the warm start's for
+`r1pp-searchonly`; `step` says how far a run got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
 which hops it answered without their passage, split by what it could know (`hop_sources`), and
 the EM of questions answered with no search against those searched (`recall_vs_search`).
 Then, from the test questions alone, the fewest retrievals a policy could make and still answer
@@ -116,7 +116,9 @@ def recall_vs_search(records: list[dict], test: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from searchlite.config import HelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--runs", nargs="*", default=[f"runs/r1pp-{r}" for r in RUNS],
                     help="train.py out_dirs (each as given if it exists, else under the repo root)")
     ap.add_argument("--data", default="searchlite/assets/toyworld",

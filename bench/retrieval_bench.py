@@ -35,7 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from searchlite.config import local_path
+from searchlite.config import HelpFormatter, local_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -177,7 +177,7 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--corpus", help="corpus JSONL (Search-R1 wiki-18 form)")
     ap.add_argument("--qa", help="QA JSONL for speed and recall@3 (default: the synthetic one)")
     ap.add_argument("--synthetic", type=int, default=0, help="write and use a synthetic corpus of N passages")
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/retrieval_bench", help="folder for corpora and indexes")
     ap.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     ap.add_argument("--batch", type=int, default=64, help="queries per batched call")
-    ap.add_argument("--port", type=int, default=8731, help="port for the retrieval server it starts (default 8731)")
+    ap.add_argument("--port", type=int, default=8731, help="port for the retrieval server it starts")
     ap.add_argument("--no_serve", action="store_true", help="skip the server load test")
     ap.add_argument("--reuse", action="store_true", help="search and serve an index already built in --out")
     ap.add_argument("--_search", help=argparse.SUPPRESS)  # internal: run the search phase on this index

@@ -487,6 +487,9 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
         if not url:
             raise ValueError("retriever kind 'http' needs url=")
         return HTTPRetriever(url, **kw)
+    if index is not None and not os.path.isdir(index) and kind != "dense":  # else ignored: BM25 built in memory
+        raise ValueError(f"index {index} is not a folder: a {kind} index is a folder written by `retrieve.py "
+                         "build`; a FAISS file (such as Search-R1's e5_Flat.index) needs retriever kind 'dense'")
     if index is not None and os.path.isdir(index):
         if encoder is not None:
             kw["encoder"] = encoder
@@ -517,10 +520,18 @@ def config_retriever(cfg) -> Retriever:
     """The retriever a run's config names (its retriever, corpus, encoder, pooling, index and
     retriever_url fields): train.py's, stage 1's, and any script that replays a run. A server
     that does not answer is a ConfigError (`check_server`)."""
-    from searchlite.config import resolve_path
-
     if cfg.retriever == "http":
         check_server(cfg.retriever_url, cfg.topk)
-    corpus = None if cfg.retriever == "http" else resolve_path(cfg.corpus)
+    corpus = None if cfg.retriever == "http" else index_corpus(cfg.corpus, cfg.index)
     return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
                            index=cfg.index or None, url=cfg.retriever_url or None)
+
+
+def index_corpus(corpus: str, index: str = "") -> str | None:
+    """The corpus path to open beside `index`: an index folder reads the corpus it was built from
+    (None) unless `corpus` names one other than the default toy corpus; else `corpus`, resolved."""
+    from searchlite.config import Config, resolve_path
+
+    if index and os.path.isdir(index) and corpus == Config.corpus:
+        return None
+    return resolve_path(corpus)

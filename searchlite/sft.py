@@ -9,7 +9,7 @@ knowledge). Used for the toy world's warm start (searchlite.warmstart) and for R
 stage 1 on rejection-sampled trajectories. Batches are rows of a right-padded (N, T)
 tensor, shuffled by a seeded generator, grouped by length within pools of 64 batches (so
 little compute goes to padding) and cut to their longest row. AdamW with linear
-warm-up and cosine decay. Left out on purpose: packing, LoRA (see models.py).
+warm-up and cosine decay. Left out on purpose: packing, LoRA (see memory.py).
 """
 
 from __future__ import annotations
