@@ -308,9 +308,9 @@ class Capture:
             p.grad = None
 
 
-def _update_inputs(model, tokenizer, lengths, g, empty=()):
-    """(rollout, old log-probs, advantages) of random responses of `lengths` after 4-token prompts;
-    each response's second token is retrieved (loss_mask 0), and the rows in `empty` all are."""
+def _update_inputs(model, tokenizer, lengths, g, empty=(), temperature=1.0):
+    """(rollout, old log-probs at `temperature`, advantages) of random responses of `lengths` after
+    4-token prompts; each response's second token is retrieved (loss_mask 0), and the rows in `empty` all are."""
     from searchlite.rollout import _collate
 
     n = len(lengths)
@@ -318,7 +318,7 @@ def _update_inputs(model, tokenizer, lengths, g, empty=()):
     resp = [torch.randint(3, 200, (k,), generator=g).tolist() for k in lengths]
     masks = [[0] * k if i in empty else [1, 0] + [1] * (k - 2) for i, k in enumerate(lengths)]
     ro = _collate(prompts, resp, masks, [0] * n, [1] * n, [None] * n, [[]] * n, tokenizer)
-    old_logp = train.score_tokens(model, ro, 8, "cpu")
+    old_logp = train.score_tokens(model, ro, 8, "cpu", temperature=temperature)
     return ro, old_logp, torch.linspace(-1, 1, old_logp.numel()).view_as(old_logp) * ro.loss_mask
 
 
@@ -379,3 +379,104 @@ def test_micro_batches_group_rows_of_like_length():
     assert by_length == [[3, 1], [4, 2], [0]] and sorted(sum(by_length, [])) == list(range(5))
     padded = lambda batches: sum(max(lengths[r] for r in b) * len(b) for b in batches)  # noqa: E731
     assert (padded(train.micro_batches(5, 2)), padded(by_length)) == (9 * 2 + 5 * 2 + 4, 2 * 2 + 5 * 2 + 9)
+
+
+def _policy_logps(model, ro, temperature):
+    """{(b, t): log p(input_ids[b, t]) at `temperature`} for every policy token, one softmax at a time."""
+    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits  # (N, T, V)
+    return {(b, t): torch.log_softmax(logits[b, t - 1] / temperature, -1)[ro.input_ids[b, t]]
+            for b, t in ro.loss_mask.nonzero().tolist()}
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "reinforce_pp"])
+def test_policy_gradient_is_that_of_the_clipped_surrogate_token_by_token(tiny_llama, byte_tokenizer, algo, loss_agg):
+    """update()'s policy gradient (no KL, no entropy) is the gradient of -min(r A, clip(r, 0.8, 1.2) A),
+    r = p / p_old at temperature 0.7, computed token by token and averaged as --loss_agg says."""
+    from searchlite.config import parse_args
+
+    g = torch.Generator().manual_seed(2)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (6, 4, 7, 5), g, temperature=0.7)
+    old_logp = old_logp + 0.5 * torch.randn(old_logp.shape, generator=g)  # ratios beyond both clip bounds
+    cfg = parse_args(["--preset", "none", "--algo", algo, "--loss_agg", loss_agg, "--temperature", "0.7",
+                      "--clip_eps", "0.2", "--kl_coef", "0", "--entropy_coef", "0", "--grad_clip", "1e9",
+                      "--micro_batch_size", "8"])
+    opt = Capture(tiny_llama.parameters())
+    train.update(cfg, 0, tiny_llama, opt, ro, old_logp, old_logp, adv, "cpu")
+
+    per_row, seen = [[] for _ in range(len(ro))], set()  # each row's token losses; (A > 0, r > 1) outside the clip
+    for (b, t), logp in _policy_logps(tiny_llama, ro, 0.7).items():
+        ratio, a = torch.exp(logp - old_logp[b, t]), adv[b, t]
+        per_row[b].append(-torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a))
+        if not 0.8 <= ratio.item() <= 1.2:
+            seen.add((a.item() > 0, ratio.item() > 1))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}  # every sign past every bound
+    rows = [torch.stack(r) for r in per_row if r]
+    loss = torch.cat(rows).mean() if loss_agg == "token_mean" else torch.stack([r.mean() for r in rows]).mean()
+    want = torch.autograd.grad(loss, list(tiny_llama.parameters()))
+    for got, w in zip(opt.grads, want):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "reinforce_pp"])
+def test_kl_is_in_the_grpo_loss_and_not_in_the_others_update(tiny_llama, byte_tokenizer, algo):
+    """GRPO: update()'s gradient at kl_coef 0.1 minus at 0 is 0.1 times the gradient of the policy tokens'
+    mean k3, exp(ref - logp) - (ref - logp) - 1; PPO and REINFORCE++ put the KL in the reward, before update."""
+    from searchlite.config import parse_args
+
+    g = torch.Generator().manual_seed(3)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6), g, temperature=0.7)
+    ref_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)  # a KL with a gradient
+
+    def grads(kl_coef):
+        cfg = parse_args(["--preset", "none", "--algo", algo, "--kl_coef", str(kl_coef), "--temperature", "0.7",
+                          "--grad_clip", "1e9", "--micro_batch_size", "8"])
+        opt = Capture(tiny_llama.parameters())
+        train.update(cfg, 0, tiny_llama, opt, ro, old_logp, ref_logp, adv, "cpu")
+        return opt.grads
+
+    log_r = [ref_logp[b, t] - logp for (b, t), logp in _policy_logps(tiny_llama, ro, 0.7).items()]
+    k3 = torch.stack([torch.exp(x) - x - 1 for x in log_r]).mean()
+    want = torch.autograd.grad(k3, list(tiny_llama.parameters()))
+    for got0, got, w in zip(grads(0.0), grads(0.1), want):
+        if algo == "grpo":
+            torch.testing.assert_close(got - got0, 0.1 * w, atol=1e-6, rtol=1e-5)
+        else:
+            assert torch.equal(got, got0)
+
+
+def test_first_pass_of_update_sees_the_rollouts_log_probs_and_values(tiny_llama, byte_tokenizer, monkeypatch):
+    """One epoch, one mini-batch: every micro-batch's log-probs and critic values, as update() feeds
+    them to the losses, equal score_tokens' at every policy token (nothing steps before the last)."""
+    from searchlite.config import parse_args
+    from searchlite.models import Critic
+
+    from conftest import make_tiny_llama
+
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6, 4), torch.Generator().manual_seed(4),
+                                       temperature=0.7)
+    critic = Critic(make_tiny_llama(byte_tokenizer, seed=1).model)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.1)  # not a fresh critic's zero values
+    old_values = train.score_tokens(critic, ro, 8, "cpu", values=True)  # (N, T)
+    seen = {"policy": [], "value": []}  # (what the loss got as logp / values, loss_mask) per call
+
+    def spy(kind, real):
+        def record(new, old, target, loss_mask, *rest):
+            seen[kind].append((new.detach(), loss_mask.bool()))
+            return real(new, old, target, loss_mask, *rest)
+        return record
+
+    monkeypatch.setattr(train, "policy_loss", spy("policy", train.policy_loss))
+    monkeypatch.setattr(train, "value_loss", spy("value", train.value_loss))
+    cfg = parse_args(["--preset", "none", "--algo", "ppo", "--temperature", "0.7", "--ppo_epochs", "1",
+                      "--mini_batch_size", "0", "--micro_batch_size", "2"])
+    # real steps: one taken before the mini-batch's last micro-batch would move the later ones' log-probs
+    opt, critic_opt = torch.optim.SGD(tiny_llama.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1)
+    train.update(cfg, 0, tiny_llama, opt, ro, old_logp, old_logp, adv, "cpu", critic, critic_opt, old_values,
+                 old_values + adv)
+    rows = train.micro_batches(len(ro), 2, ro.attention_mask.sum(1))  # update's micro-batches, in its order
+    for kind, want in (("policy", old_logp), ("value", old_values)):
+        assert len(seen[kind]) == len(rows) == 2
+        for (got, m), r in zip(seen[kind], rows):
+            assert torch.equal(m, ro.loss_mask[r, :m.shape[1]].bool())
+            torch.testing.assert_close(got[m], want[r, :m.shape[1]][m], atol=1e-5, rtol=0)
