@@ -88,7 +88,7 @@ def test_duplicate_queries_searched_once_and_aligned():
 
 
 def test_search_rejects_bad_arguments():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes a list of queries, not a single string"):
         _Spy().search("one string", k=3)
     with pytest.raises(ValueError, match="k must be"):
         _Spy().search(["q"], k=0)
@@ -143,7 +143,7 @@ def test_bm25_backends_agree_on_ranking():
 def test_bm25_rejects_unknown_backend_and_empty_corpus():
     with pytest.raises(ValueError, match="rank_bm25"):
         BM25Retriever(CORPUS, backend="lucene")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="BM25Retriever needs at least one passage"):
         BM25Retriever([])
 
 
@@ -371,3 +371,23 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
                                                     "not answer") + r".*HTTP 500"):
         config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "retriever_url": _url(server)}))
 
+
+
+def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
+    """--index alone: the folder's own corpus, not the default toy one (which the folder refuses);
+    --corpus naming another still wins; a FAISS file is only for a dense retriever."""
+    from types import SimpleNamespace
+
+    from searchlite.config import Config, resolve_path
+    from searchlite.indexing import build_bm25_folder
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    build_bm25_folder(str(tmp_path / "c.jsonl"), str(tmp_path / "idx"), progress=False)
+    cfg = SimpleNamespace(retriever="bm25", corpus=Config.corpus, encoder="", pooling="mean",
+                          index=str(tmp_path / "idx"), retriever_url="", topk=3)
+    assert config_retriever(cfg).search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    with pytest.raises(ValueError, match="built over a different corpus"):  # the toy corpus, named on purpose
+        config_retriever(SimpleNamespace(**{**vars(cfg), "corpus": resolve_path(Config.corpus)}))
+    (tmp_path / "e5_Flat.index").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="FAISS file .* needs retriever kind 'dense'"):
+        config_retriever(SimpleNamespace(**{**vars(cfg), "index": str(tmp_path / "e5_Flat.index")}))
