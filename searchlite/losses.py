@@ -94,9 +94,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     >>> masked_whiten(torch.tensor([[1.0, 3.0, 7.0]]), torch.tensor([[1, 1, 0]]))
     tensor([[-1.,  1.,  0.]])
     """
-    mean = masked_mean(x, mask)  # ()
-    var = masked_mean((x - mean) ** 2, mask)  # ()
-    out = (x - mean) * torch.rsqrt(var + eps)  # same shape as x
+    xd = x.double()  # in float32 the mean of equal values can miss them by an ulp, which / sqrt(eps) magnifies
+    mean = masked_mean(xd, mask)  # ()
+    var = masked_mean((xd - mean) ** 2, mask)  # ()
+    out = ((xd - mean) * torch.rsqrt(var + eps)).to(x.dtype)  # same shape as x
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 

@@ -48,10 +48,11 @@ def test_token_logprobs_bf16_upcasts():
     torch.testing.assert_close(logp[:, 1:].double(), ref, atol=1e-5, rtol=0)
 
 
-def test_entropy_matches_categorical():
+@pytest.mark.parametrize("chunk", [1024, 3, 2])  # 10 positions: one chunk; 3, 3, 3, 1; five of 2
+def test_entropy_matches_categorical(chunk):
     gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3  # (B, T, V)
-    ent = masked_entropy(logits, torch.ones(2, 6))
+    logits = torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3  # (B, T, V), no grad: the plain chunked path
+    ent = masked_entropy(logits, torch.ones(2, 6), chunk=chunk)
     ref = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
     torch.testing.assert_close(ent[:, 1:].double(), ref, atol=ATOL, rtol=0)
     assert torch.all(ent[:, 0] == 0)
@@ -89,6 +90,25 @@ def test_masked_mean_and_whiten_hand():
     torch.testing.assert_close(w, torch.tensor([[-1.0, 1.0, 0.0]]), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("x, mask", [
+    ([[3.0, 7.0, float("nan")], [1.0, 2.0, 3.0]], [[0, 1, 0], [0, 0, 0]]),  # one masked entry: x - mean = 0, var 0
+    ([[2.5, 2.5, -9.0], [2.5, float("inf"), 2.5]], [[1, 1, 0], [1, 0, 1]]),  # all equal: var 0
+    ([[-2.0, -2.0, -2.0], [-2.0, -2.0, -2.0]], [[1, 1, 1], [1, 1, 1]]),  # R_format's -2 everywhere
+    ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [[0, 0, 0], [0, 0, 0]]),  # nothing masked
+])
+def test_masked_whiten_with_zero_variance_is_zero(x, mask):
+    """(x - mean) / sqrt(var + eps) with var = 0: every masked entry equals the mean, so 0
+    everywhere, not 0 / 0; eps keeps it finite. (Values exact in binary: see the next test.)"""
+    assert torch.equal(masked_whiten(torch.tensor(x), torch.tensor(mask)), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("value, n", [(0.1, 7), (0.7, 11), (100.1, 11), (10.3, 4096)])
+def test_masked_whiten_of_equal_inexact_values_is_zero(value, n):
+    """Equal values not exact in binary: a float32 mean misses them by an ulp, and / sqrt(0 + 1e-8)
+    made that -7.45e-5 (0.1 x 7) to 0.15 (100.1 x 11) on every entry, where the formula gives 0."""
+    assert torch.equal(masked_whiten(torch.full((1, n), value), torch.ones(1, n)), torch.zeros(1, n))
+
+
 def test_aggregate_modes_unequal_lengths():
     # Sequences with 4, 2 and 1 policy tokens; 99s are masked junk.
     loss = torch.tensor([[1.0, 2, 3, 4], [10, 20, 99, 99], [7, 99, 99, 99]])
@@ -107,7 +127,7 @@ def test_aggregate_skips_sequences_without_policy_tokens():
 
 
 def test_aggregate_unknown_mode():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown aggregation mode 'token-mean'"):
         aggregate(torch.zeros(1, 2), torch.ones(1, 2), "token-mean")
 
 
@@ -288,5 +308,5 @@ def test_k3_gradient_stays_finite_at_extreme_log_ratio():
 
 
 def test_kl_unknown_kind():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown KL estimator 'low_var_kl'"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "low_var_kl")
