@@ -105,6 +105,8 @@ def reward_terms(ro, questions, protocol, group: int, eta: float = 2.0, use_grou
     first three. `use_group=False` zeroes R_group (the paper's ablation without it);
     `sigma_over` is rewards.group_reward's `over`.
     """
+    if len(ro) % group:
+        raise ValueError(f"reward_terms: {len(ro)} rollouts do not split into groups of {group}")
     # (N,) 0 or -2; a trajectory that never answered is malformed even if a \boxed{} sits in one of its queries
     fmt = torch.tensor([format_reward(well_formed(r, protocol) and a is not None)
                         for r, a in zip(ro.responses, ro.answers)])

@@ -98,6 +98,8 @@ def test_reward_terms_hand_computed_groups():
     # sigma over the correct rollouts only: group A's correct counts 0, 1, 0 -> var 2/9 -> 4/9
     by_correct = r1pp.reward_terms(ro, questions, PP, group=4, eta=2.0, sigma_over="correct")["group"].tolist()
     assert by_correct == pytest.approx([4 / 9, 0, 0, 4 / 9, 0, 0, 0, 0], abs=1e-7)
+    with pytest.raises(ValueError, match="8 rollouts do not split into groups of 3"):  # not a short last group
+        r1pp.reward_terms(ro, questions, PP, group=3)
 
 
 def test_a_trajectory_that_never_answers_is_malformed():
@@ -293,14 +295,21 @@ def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
 def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
     tok = byte_tokenizer
     doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
+    good = internal("paris")  # kept: each rejected rewrite below is this one plus one fault
+    assert r1pp.keep_rewrite(good, ["Paris"], PP)
     rewrites = {
-        "q-good": [internal("paris")],  # kept
-        "q-search": ["<|begin_external_search|> fooland <|end_external_search|>"],  # tried to search
-        "q-result": ["<|begin_search_result|> Paris <|end_search_result|> \\boxed{paris}"],  # result tags
+        "q-good": [good],
+        # tried to search: a search call after the answer (where a sampler stops, at the stop string)
+        "q-search": [good + " To be sure: <|begin_external_search|> fooland capital <|end_external_search|>"],
+        # result tags it wrote itself, between its internal answer and the final answer
+        "q-result": [good.replace("\nSo ", "\n<|begin_search_result|> Paris <|end_search_result|>\nSo ")],
         "q-wrong": [internal("lyon")],
-        "q-giveaway": ["The documents say Paris. \\boxed{paris}"],  # mentions what it was shown
+        "q-giveaway": ["The documents say so. " + good],  # mentions what it was shown
         "q-bare": ["So \\boxed{paris}."],  # right, but recalls nothing with the internal-answer tags
     }
+    for name in ("q-search", "q-result", "q-giveaway"):  # each answers "paris"; its fault alone rejects it
+        text = rewrites[name][0]
+        assert PP.parse(text).content == "paris" and not r1pp.keep_rewrite(text, ["Paris"], PP), name
     rows = [(searched("paris"), "paris", 1) for _ in rewrites]
     rows += [(internal("paris"), "paris", 0), (searched("lyon"), "lyon", 1)]  # no documents; wrong
     names = list(rewrites) + ["q-nodocs", "q-wrongrollout"]
@@ -364,9 +373,67 @@ def test_memorization_loss_is_zero_weighted_at_mu_zero(tiny_llama, byte_tokenize
     assert all(torch.equal(a, b) for a, b in zip(without, zero)) and stats["mem_loss"] == []
     on, stats = _params_after_update(tiny_llama, byte_tokenizer, mem, 0.1)
     assert any(not torch.equal(a, b) for a, b in zip(without, on)) and len(stats["mem_loss"]) == 1
-    # two mini-batches: each optimizer step takes its share of the rewrites
-    _, stats = _params_after_update(tiny_llama, byte_tokenizer, mem, 0.1, mini_batch_size=2)
-    assert len(stats["mem_loss"]) == 2
+
+
+class GradRecorder:
+    """Stands in for the optimizer: keeps each step's gradients and moves no weight."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), []
+
+    def step(self):
+        self.grads.append([p.grad.clone() for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def naive_nll(model, mem, rows) -> torch.Tensor:
+    """L_M over `rows`: the NLL of every response token, one row and one token at a time, over their count."""
+    total, n = 0.0, 0
+    for r in rows:
+        ids = mem.input_ids[r, :int(mem.attention_mask[r].sum())]  # (t,) the row alone, no padding
+        logits = model(input_ids=ids[None]).logits[0]  # (t, V)
+        for t in range(1, len(ids)):
+            if mem.loss_mask[r, t]:
+                total = total - torch.log_softmax(logits[t - 1], -1)[ids[t]]
+                n += 1
+    return total / n
+
+
+def test_each_mini_batch_takes_mu_times_l_m_of_its_share(tiny_llama, byte_tokenizer):
+    """With two mini-batches the 3 rewrites are split between the optimizer steps (rows 0-1, then
+    row 2) and each step's gradient is mu * grad L_M over its share (token mean): mu weighs L_M
+    in each step as it does in a step over all of them. Advantages 0, kl_coef 0 and no clipping,
+    so L_M alone has a gradient; the recorder takes no step, so both see the same weights."""
+    mu, mem, ro = 0.1, _batch(byte_tokenizer, n=3, seed=1), _batch(byte_tokenizer)
+    params = list(tiny_llama.parameters())
+
+    def steps(mini_batch_size):
+        cfg = parse_args(["--preset", "none", "--mem_coef", str(mu), "--kl_coef", "0", "--grad_clip", "1e9",
+                          "--micro_batch_size", "2", "--mini_batch_size", str(mini_batch_size)])
+        opt = GradRecorder(params)
+        logp = train.score_tokens(tiny_llama, ro, 2, "cpu")
+        stats = train.update(cfg, 0, tiny_llama, opt, ro, logp, logp, torch.zeros_like(logp), "cpu", mem=mem)
+        return opt.grads, stats["mem_loss"]
+
+    def want(rows):
+        tiny_llama.zero_grad(set_to_none=True)
+        nll = naive_nll(tiny_llama, mem, rows)
+        (mu * nll).backward()
+        grads = [p.grad.clone() for p in params]
+        tiny_llama.zero_grad(set_to_none=True)
+        return nll.item(), grads
+
+    for mini_batch_size, shares in [(0, [[0, 1, 2]]), (2, [[0, 1], [2]])]:
+        grads, losses = steps(mini_batch_size)
+        assert len(grads) == len(losses) == len(shares), mini_batch_size
+        for got, loss, rows in zip(grads, losses, shares):
+            nll, grad = want(rows)
+            assert loss == pytest.approx(nll, abs=1e-5)
+            for g, w in zip(got, grad):
+                torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
 
 
 def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_tokenizer):
