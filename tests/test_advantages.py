@@ -190,7 +190,7 @@ def test_group_one_is_batch_mean_baseline():
 
 
 def test_group_bad_size():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="5 scores do not split into groups of 2"):
         group_advantages(torch.zeros(5), group=2)
 
 

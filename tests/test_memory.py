@@ -195,13 +195,39 @@ def tensors(obj):
 
 def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, monkeypatch):
     """With the reference kept on CPU and moved to the device to score, the run (reference
-    log-probs, so KL, so the update) is the one with the reference kept on the device."""
+    log-probs, so KL, so the update) is the one with the reference kept on the device. On a CPU
+    machine both runs stay on the CPU, so what --ref_offload changes is checked where train.py
+    does it: the reference is scored inside `on_device(ref, device, enabled=True)`, once a step,
+    and its weights are in CPU memory after each; without the flag the block is disabled."""
+    import contextlib
+
     from safetensors.torch import load_file
 
-    seen = []
-    real = train.score_tokens
-    monkeypatch.setattr(train, "score_tokens", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+    seen = []  # per score_tokens call: (model, whether an enabled on_device block holds it)
+    blocks = []  # per on_device call: (model, enabled, devices of its parameters after the block)
+    held = []  # the models inside an enabled on_device block right now
+    real_score, real_on_device = train.score_tokens, train.on_device
+
+    def score(model, *a, **k):
+        seen.append((model, any(m is model for m in held)))
+        return real_score(model, *a, **k)
+
+    @contextlib.contextmanager
+    def recording_on_device(model, device, enabled=True):
+        with real_on_device(model, device, enabled):
+            held.append(model if enabled else None)
+            try:
+                yield model
+            finally:
+                held.pop()
+        blocks.append((model, enabled, {p.device.type for p in model.parameters()}))
+
+    monkeypatch.setattr(train, "score_tokens", score)
+    monkeypatch.setattr(train, "on_device", recording_on_device)  # train.py's own name for it
     a = run(tiny_model, tmp_path / "on", steps=2)
+    seen_a, blocks_a = seen[:], blocks[:]
+    seen.clear()
+    blocks.clear()
     b = run(tiny_model, tmp_path / "off", steps=2, extra=["--ref_offload"])
     keep = lambda r: {k: v for k, v in r.items() if k != "seconds" and not k.startswith("t_")}  # noqa: E731 timings
     assert [keep(r) for r in a] == [keep(r) for r in b]
@@ -209,7 +235,16 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
     wa = load_file(tmp_path / "on" / "checkpoint" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "off" / "checkpoint" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert len({id(m) for m in seen}) == 4  # policy and a separate reference, in each run
+    # each step scores the policy (old log-probs), then the reference: a separate model in each run
+    (policy_a, _), (ref_a, _) = seen_a[:2]
+    (policy_b, _), (ref_b, _) = seen[:2]
+    assert [m for m, _ in seen_a] == [policy_a, ref_a] * 2 and [m for m, _ in seen] == [policy_b, ref_b] * 2
+    assert len({id(policy_a), id(ref_a), id(policy_b), id(ref_b)}) == 4
+    # without the flag: a disabled block; with it: the reference moved for, and scored inside, an enabled one
+    assert [(m is ref_a, on) for m, on, _ in blocks_a] == [(True, False)] * 2
+    assert not any(inside for _, inside in seen_a)
+    assert [(m is ref_b, on, where) for m, on, where in blocks] == [(True, True, {"cpu"})] * 2
+    assert [inside for _, inside in seen] == [False, True] * 2  # the reference inside, the policy not
 
 
 def test_on_device_moves_there_and_back_even_on_error():
@@ -221,10 +256,10 @@ def test_on_device_moves_there_and_back_even_on_error():
             return super().to("cpu")  # CPU-only machine: record where it was sent
 
     model = Recorder(2, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="raised inside the block"):
         with on_device(model, "cuda:3", enabled=True):
             assert moves == ["cuda:3"]
-            raise ValueError
+            raise ValueError("raised inside the block")
     assert moves == ["cuda:3", "cpu"]
     with on_device(model, "cuda:3", enabled=False), on_device(None, "cuda:3", enabled=True):
         pass

@@ -11,7 +11,59 @@ PP = get_protocol("r1_searcher_pp")
 
 TAG_SOUP = st.lists(st.sampled_from(["<search>", "</search>", "<answer>", "</answer>", "<think>", "</think>",
                                      "\\boxed{", "}", "{", "<|begin_external_search|>",
-                                     "<|end_external_search|>", " ", "x", "Paris", "\n"]), max_size=40)
+                                     "<|end_external_search|>", "<|begin_internal_answer|>",
+                                     "<|end_internal_answer|>", " ", "x", "Paris", "\n"]), max_size=40)
+PP_SPANS = {"<|begin_internal_answer|>": "<|end_internal_answer|>",
+            "<|begin_external_search|>": "<|end_external_search|>"}
+
+
+def occurrences(text: str, tag: str) -> list[int]:
+    """Every position where `tag` starts, one character at a time."""
+    return [i for i in range(len(text)) if text.startswith(tag, i)]
+
+
+def complete_pairs(text: str, open_tag: str, close_tag: str) -> int:
+    """How many open ... close pairs a left-to-right reader completes, each close the first after its open."""
+    n, closes = 0, occurrences(text, close_tag)
+    for start in occurrences(text, open_tag):
+        if n and start < end:  # inside the pair just completed
+            continue
+        after = [c for c in closes if c >= start + len(open_tag)]
+        if not after:
+            break
+        n, end = n + 1, after[0] + len(close_tag)
+    return n
+
+
+def naive_format_ok(p, text: str) -> bool:
+    """Protocol.format_ok's rules, checked by a plain scan, one character at a time (no regex, no sorting)."""
+    if p is SR1:  # one complete answer, one <answer> at all, and every <search> completed
+        return (complete_pairs(text, "<answer>", "</answer>") == 1 and len(occurrences(text, "<answer>")) == 1
+                and len(occurrences(text, "<search>")) == complete_pairs(text, "<search>", "</search>"))
+    open_tag, i = None, 0  # R1-Searcher++: one span at a time, each closed by its own tag...
+    while i < len(text):
+        tag = next((t for t in (*PP_SPANS, *PP_SPANS.values()) if text.startswith(t, i)), None)
+        if tag is None:
+            i += 1
+            continue
+        if tag in PP_SPANS:
+            if open_tag is not None:
+                return False
+            open_tag = tag
+        elif open_tag is None or PP_SPANS[open_tag] != tag:
+            return False
+        else:
+            open_tag = None
+        i += len(tag)
+    boxes = occurrences(text, "\\boxed{")
+    if open_tag is not None or len(boxes) != 1:  # ...and exactly one \boxed{}, closed, with an answer in it
+        return False
+    depth = 0
+    for j in range(boxes[0] + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return bool(_unwrap_text(text[boxes[0] + len("\\boxed{"):j]).strip())
+    return False
 
 
 @settings(max_examples=300, deadline=None)
@@ -21,7 +73,22 @@ def test_parse_never_raises(text):
         a = p.parse(text)
         assert a.kind in ("search", "answer", "invalid")
         assert len(a.content) <= max(MAX_QUERY_CHARS, len(text))
-        assert isinstance(p.format_ok(text), bool)
+        assert p.format_ok(text) is naive_format_ok(p, text)
+
+
+@pytest.mark.parametrize("p, units", [
+    (SR1, ["<answer>", "</answer>", "<search>", "</search>", " x "]),
+    (PP, [*PP_SPANS, *PP_SPANS.values(), "\\boxed{x}", "\\boxed{ }", "}"]),
+])
+def test_format_ok_matches_the_plain_scan_on_every_short_sequence(p, units):
+    """Every text of up to 5 units (nested and crossed spans, two answers, an empty or unclosed
+    \\boxed{} among them), which random text rarely builds, against the scan above."""
+    import itertools
+
+    texts = ["".join(seq) for n in range(6) for seq in itertools.product(units, repeat=n)]
+    got = [p.format_ok(t) for t in texts]
+    assert got == [naive_format_ok(p, t) for t in texts]
+    assert 0 < sum(got) < len(texts) / 2  # both answers occur: the scan is not trivially False (or True)
 
 
 @pytest.mark.parametrize("text, expect", [

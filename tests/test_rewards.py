@@ -145,5 +145,12 @@ def test_group_reward_sigma_over_the_group_or_the_correct(correct, n, by_group, 
 
 
 def test_group_reward_length_mismatch():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2 correctness flags but 1 search counts"):
         group_reward([True, False], [1])
+
+
+@pytest.mark.parametrize("over", ["all", "Group", ""])
+@pytest.mark.parametrize("correct", [[True, False], [False, False]])  # also where no rollout is right (all zeros)
+def test_group_reward_unknown_over_raises(over, correct):
+    with pytest.raises(ValueError, match=f"over must be 'group' or 'correct', got '{over}'"):
+        group_reward(correct, [1, 2], over=over)

@@ -203,3 +203,40 @@ def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
     model.config.max_position_embeddings = len(encode_prompt(tok, P, "who?")) + 20
     ro = rollout(HFSampler(model, tok, max_new_tokens=12), FakeRetriever(), tok, P, ["who?"], max_turns=3, topk=1, max_len=4096, greedy=True)
     assert ro.turns.tolist() == [1] and int(ro.loss_mask[0].nonzero().max()) < model.config.max_position_embeddings
+
+
+def test_a_sampled_eos_is_trained_on_and_the_padding_after_it_is_not(byte_tokenizer):
+    """The sampler returns its ids up to and including EOS (sampler.py), and the rollout masks in
+    every sampled id: the EOS gets loss_mask 1, so the policy learns where to stop; the right
+    padding after it gets attention and loss_mask 0. An EOS without an answer ends only the turn:
+    the invalid-action message follows it (loss_mask 0) and the next turn answers."""
+    tok = byte_tokenizer
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    assert eos != pad  # so the padding is told apart from the sampled EOS by its id too
+
+    class EosSampler(ScriptedSampler):
+        def generate(self, prompts, stop=(), greedy=False):
+            return [ids + [eos] if "q-eos-" in self.tok.decode(p) else ids
+                    for p, ids in zip(prompts, super().generate(prompts, stop, greedy))]
+
+    scripts = {"q-eos-answer": ["<answer> Paris </answer>"],
+               "q-eos-ramble": ["I stop here", "<answer> Rome </answer>"],
+               "q-long": ["<answer> " + "very " * 200 + "long </answer>"]}  # the longest row: the others are padded
+    ro = rollout(EosSampler(tok, scripts), FakeRetriever(), tok, P, list(scripts), max_turns=2, topk=2)
+    assert ro.answers[:2] == ["Paris", "Rome"] and ro.turns.tolist() == [1, 2, 1]
+    n = ro.attention_mask.sum(1).tolist()
+    assert n[0] < n[2] and n[1] < n[2]
+    # q-eos-answer: the reply, its EOS last, all trained; then padding, untrained
+    p = int(ro.prompt_len[0])
+    reply = tok.encode(scripts["q-eos-answer"][0], add_special_tokens=False) + [eos]
+    assert ro.input_ids[0, p:n[0]].tolist() == reply and ro.loss_mask[0, p:n[0]].tolist() == [1] * len(reply)
+    assert (ro.input_ids[0, n[0]:] == pad).all() and not ro.loss_mask[0, n[0]:].any()
+    assert not ro.attention_mask[0, n[0]:].any()
+    # q-eos-ramble: EOS (trained), the message (not), the answer and its EOS (trained), padding (not)
+    p = int(ro.prompt_len[1])
+    first = tok.encode("I stop here", add_special_tokens=False) + [eos]
+    message = tok.encode(P.invalid_message, add_special_tokens=False)
+    second = tok.encode("<answer> Rome </answer>", add_special_tokens=False) + [eos]
+    assert ro.input_ids[1, p:n[1]].tolist() == first + message + second
+    assert ro.loss_mask[1, p:].tolist() == [1] * len(first) + [0] * len(message) + [1] * len(second) + \
+        [0] * (ro.input_ids.shape[1] - n[1])
