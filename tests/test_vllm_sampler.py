@@ -244,7 +244,7 @@ def test_missing_vllm_names_the_setup_command(monkeypatch):
 
 def test_a_lora_checkpoint_starts_the_engine_from_its_merged_model(monkeypatch, tmp_path):
     """vLLM loads whole models: an adapter folder is replaced by its merged copy (model_spec.merged_folder)."""
-    import vllm
+    vllm = pytest.importorskip("vllm")
 
     from searchlite import vllm_sampler
     from searchlite.vllm_sampler import VLLMSampler
