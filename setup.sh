@@ -70,7 +70,7 @@ else
   }
 fi
 # Hold the torch just installed: a later install (an extra, vLLM) must not swap it for another build.
-.venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
+.venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > .venv/constraints.txt
 PIP+=(-c .venv/constraints.txt)
 
 "${PIP[@]}" -e ".${extras:+[$extras]}"
