@@ -31,8 +31,10 @@ Writes to --out: records.jsonl (every finished question, appended as it finishes
 (the settings), results.json (metrics per dataset and method, averages, every prediction and
 trajectory) and table.md (the Markdown table, also printed). Rerunning the same command
 continues an interrupted run: finished questions are not run again. A rerun whose settings or
-inputs changed is refused: the model's weight files and the corpus are compared by size and
-modification time, each QA file by its sha256. --overwrite starts over.
+inputs changed is refused: the model's weight files, the corpus, the --index (an index folder's
+bm25.json or dense.json by its text) and a local --encoder folder's files are compared by size
+and modification time, each QA file by its sha256. --overwrite starts over. One run at a time
+writes to a folder (a lock file, evaluate.lock; Linux and macOS): a second is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -52,7 +55,8 @@ from searchlite.model_spec import fill_prompt_settings, load_model, model_folder
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
 WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files, fingerprinted for resume
-FINGERPRINTS = ("model_files", "corpus_file", "data_sha256")  # run.json keys that older runs lack
+FINGERPRINTS = ("model_files", "corpus_file", "data_sha256", "index_files", "encoder_files")  # older runs lack them
+INDEX_SETTINGS = ("bm25.json", "dense.json")  # an index folder's settings, fingerprinted by their text
 
 
 class EvalError(Exception):
@@ -135,25 +139,43 @@ def stat_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def fingerprints(model_source: str, corpus: str | None, files: dict) -> dict:
+def fingerprints(model_source: str, corpus: str | None, files: dict, index: str = "", encoder: str = "") -> dict:
     """What the input files hold, so that a resume notices one changed in place (retrained into
-    the same folder, a gold answer corrected): each QA file's sha256, and the size and mtime_ns
-    of the model's weight files and of the corpus (GBs: too slow to hash). A hub name has none."""
+    the same folder, a gold answer corrected, an index rebuilt with other BM25 k1 and b): each QA
+    file's sha256, and the size and mtime_ns of the model's weight files, the corpus, the index's
+    files and a local encoder folder's files (GBs: too slow to hash). A hub name has none."""
     model, corpus = Path(model_source), Path(corpus) if corpus else None
     weights = [model] if model.is_file() else sorted(f for p in WEIGHTS for f in model.glob(p))
     return {"model_files": {f.name: stat_key(f) for f in weights} if model.exists() else None,
             "corpus_file": {str(corpus.resolve()): stat_key(corpus)} if corpus and corpus.is_file() else None,
-            "data_sha256": {n: hashlib.sha256(Path(f).read_bytes()).hexdigest() for n, f in files.items()}}
+            "data_sha256": {n: hashlib.sha256(Path(f).read_bytes()).hexdigest() for n, f in files.items()},
+            "index_files": index_files(Path(index)) if index else None,
+            "encoder_files": ({f.name: stat_key(f) for f in sorted(Path(encoder).iterdir()) if f.is_file()}
+                              if encoder and Path(encoder).is_dir() else None)}
+
+
+def index_files(index: Path) -> dict | None:
+    """An index folder's settings file by its text and its other files by size and mtime_ns, or
+    a FAISS file (Search-R1's e5_Flat.index) by its own. corpus_offsets.npz is left out: a cache
+    of the corpus's line scan (the corpus has its own fingerprint) that loading may rewrite."""
+    if index.is_file():
+        return {index.name: stat_key(index)}
+    if not index.is_dir():
+        return None
+    return {f.name: f.read_text() if f.name in INDEX_SETTINGS else stat_key(f)
+            for f in sorted(index.iterdir()) if f.is_file() and f.name != "corpus_offsets.npz"}
 
 
 def changed_inputs(before: dict, now: dict) -> list[str]:
     """The input files whose fingerprint differs from run.json's. A fingerprint that either side
     lacks (a run.json from before fingerprints, a hub model, no corpus) is unknown and passes."""
     diff = []
-    old, new = before.get("model_files"), now["model_files"]
-    if old is not None and new is not None and old != new and before.get("model") == now["model"]:
-        names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
-        diff.append(f"the model's weights changed: {', '.join(names)} in {now['model']}")
+    for key, setting, what in (("model_files", "model", "the model's weights"), ("index_files", "index", "the index"),
+                               ("encoder_files", "encoder", "the encoder")):
+        old, new = before.get(key), now[key]
+        if old is not None and new is not None and old != new and before.get(setting) == now[setting]:
+            names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
+            diff.append(f"{what} changed: {', '.join(names)} in {now[setting]}")
     old = before.get("corpus_file") or {}
     diff += [f"the corpus {p} changed (size or modification time)"
              for p, key in (now["corpus_file"] or {}).items() if old.get(p, key) != key]
@@ -194,6 +216,23 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
         now = now | {"data": old | now["data"], "data_sha256": before.get("data_sha256", {}) | now["data_sha256"]}
     out.mkdir(parents=True, exist_ok=True)
     write_durably(run_file, lambda f: f.write(json.dumps(now, indent=1) + "\n"), "w")
+
+
+def lock_out(out: Path):
+    """Lock `out` for this run (an open file; closing it lets go). Two runs writing one folder
+    lose records: RecordLog.replace rewrites records.jsonl from its own copy, and read_log cuts
+    the line the other is appending as torn. flock: Linux and macOS."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / "evaluate.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise EvalError(f"another evaluate.py is writing to {out}; wait for it to finish, "
+                        "or choose another --out") from None
+    return lock
 
 
 def warn_no_verdict(records: list[dict], path: Path) -> None:
@@ -275,7 +314,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    with ExitStack() as held:  # lets go of the --out lock however the run ends (tests call main again)
+        return evaluate(parse_args(argv), held)
+
+
+def evaluate(args, held: ExitStack) -> dict:
+    """main's run; `held` holds the lock on --out until main returns."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         bad = [m for m in methods if m not in METHODS]
@@ -315,9 +359,12 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         source = local_path(source)
         corpus = None if uses_server(args) else resolve_path(args.corpus)
-        setup = settings(args, source, protocol, prompts) | {"data": files} | fingerprints(source, corpus, files)
+        setup = (settings(args, source, protocol, prompts) | {"data": files}
+                 | fingerprints(source, corpus, files, args.index, args.encoder))
         marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
+        held.enter_context(lock_out(out))  # before anything in --out is read or written
         check_settings(out, setup, args.overwrite, marks_nothing)
+        log = RecordLog(out / "records.jsonl")  # a damaged line is a DataError, named here before the model loads
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here
             from searchlite.vllm_sampler import VLLMSampler
@@ -333,7 +380,6 @@ def main(argv=None) -> dict:
         sys.exit(f"error: {e}")
 
     greedy = args.temperature <= 0
-    log = RecordLog(out / "records.jsonl")
     reused = sum((name, m, q.id) in log.done for name, questions in qa.items() for m in methods for q in questions)
     if reused:
         print(f"reusing {reused} finished answers from {log.path}", flush=True)

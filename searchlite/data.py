@@ -261,16 +261,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def read_log(path, cut: bool = True) -> list[dict]:
+def read_log(path, cut: bool = True, need: tuple[str, ...] = ()) -> list[dict]:
     """The records of an append-only JSONL log (`append_log`). A last line without its newline
     was torn by an interrupt: it is cut from the file, so the next append starts a whole line
-    (cut=False only skips it: a reader while another process appends, e.g. plot.py)."""
+    (cut=False only skips it: a reader while another process appends, e.g. plot.py). A record
+    lacking a field of `need` raises `DataError` naming its line."""
     path = Path(path)
     raw = path.read_bytes()
     keep = raw[: raw.rfind(b"\n") + 1]
     if cut and len(keep) != len(raw):
         path.write_bytes(keep)
-    return [obj for n, line in enumerate(keep.splitlines(), 1) if (obj := parse_object(line, path, n)) is not None]
+    records = []
+    for n, line in enumerate(keep.splitlines(), 1):
+        if (obj := parse_object(line, path, n)) is not None:
+            if missing := [k for k in need if k not in obj]:
+                raise DataError(f"{path}:{n}: record lacks '{missing[0]}'")
+            records.append(obj)
+    return records
 
 
 def append_log(path, records: list[dict]) -> None:

@@ -13,10 +13,12 @@ Methods, all on the same retriever, top-k and model (Search-R1 §4.2's baselines
 - `search`: the multi-turn agent loop of rollout.py under either protocol. For an untrained
   instruct model under the paper's template this is the prompted, Search-o1-like baseline.
 A baseline's answer is the text inside `<answer>` tags when the model wrote them, else the
-first line it wrote (direct, rag) or what follows the last "the answer is" (cot; none: no answer).
+first line it wrote, less an `<answer>` that opens it (direct, rag), or what follows the last
+"the answer is" (cot; none: no answer).
 
-Per question (rewards.py): `em`, `f1`, `cover_em`, `searches` (retrieval calls, R1-Searcher++'s
-RC), `answered` (an answer was produced), `length` (words in the answer, 0 without one) and,
+Per question (rewards.py): `em`, `f1`, `cover_em` (R1-Searcher++'s ACC_R: a gold answer within
+the prediction, however long; the training reward's 10-word cap is not applied), `searches`
+(retrieval calls, R1-Searcher++'s RC), `answered` (an answer was produced), `length` (words in the answer, 0 without one) and,
 with a judge (judge.py), `judge` (R1-Searcher++'s LasJ). `summarize` averages them over all
 questions and per question type (`meta["type"]`, e.g. the toy world's 1hop / 2hop).
 
@@ -101,6 +103,9 @@ def fill(template: str, **values: str) -> str:
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ANSWER_IS = re.compile(r"answer is\s*:?[ \t]*", re.I)
+# what may open a direct or rag reply before its answer: a label, and an <answer> whose </answer>
+# never came (answer_tokens ran out, or the generation stopped at "\nQuestion:")
+_LEAD = re.compile(r"^\s*((final )?answer\s*:\s*)?(<answer>)?", re.I)
 
 
 def extract_answer(method: str, text: str) -> str | None:
@@ -116,6 +121,8 @@ def extract_answer(method: str, text: str) -> str | None:
     True
     >>> extract_answer("cot", "So the answer is:\\n\\n**Paris**"), extract_answer("direct", "Answer:\\nParis")
     ('Paris', 'Paris')
+    >>> extract_answer("direct", "<answer> Paris")
+    'Paris'
     """
     tag = _ANSWER_TAG.search(text)
     if tag:
@@ -127,7 +134,7 @@ def extract_answer(method: str, text: str) -> str | None:
         line = text[last.end():].strip().split("\n", 1)[0] if last else ""  # the answer may start a new line
         answer = line.strip().strip("*\"' ").rstrip(".").strip("*\"' ")
     else:  # the label may stand on a line of its own
-        lines = [line.strip() for line in re.sub(r"^\s*(final )?answer\s*:\s*", "", text, flags=re.I).splitlines()]
+        lines = [line.strip() for line in _LEAD.sub("", text, count=1).splitlines()]
         answer = next((line for line in lines if line), "")
     return answer or None
 
@@ -175,7 +182,7 @@ def make_record(q, method: str, prediction: str | None, trajectory: str, searche
     return {
         "id": q.id, "question": q.question, "golden_answers": q.answers, "type": q.meta.get("type"),
         "method": method, "prediction": prediction, "em": exact_match(prediction, q.answers),
-        "f1": f1_score(prediction, q.answers), "cover_em": cover_exact_match(prediction, q.answers),
+        "f1": f1_score(prediction, q.answers), "cover_em": cover_exact_match(prediction, q.answers, max_words=None),
         "searches": searches, "answered": float(prediction is not None),
         "length": len(prediction.split()) if prediction else 0, "trajectory": trajectory,
         "docs": [{"id": h.id, "title": h.title} for h in docs],
@@ -198,11 +205,13 @@ def score_qa(sampler, retriever, tokenizer, protocol, qa: list, *, batch_size: i
 class RecordLog:
     """Finished records in a JSONL file, one a line, keyed by (dataset, method, id)."""
 
+    KEY = ("dataset", "method", "id")  # a line without one is damaged (DataError names it), not a KeyError
+
     def __init__(self, path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.done: dict[tuple, dict] = {}
-        for r in read_log(self.path) if self.path.exists() else []:
+        for r in read_log(self.path, need=self.KEY) if self.path.exists() else []:
             self.done.setdefault(self.key(r), r)
 
     @staticmethod
@@ -229,7 +238,9 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
 
     `run(chunk)` returns the chunk's records (e.g. a `run_batch` partial); each batch is
     judged (if `judge`) and appended to `log` before the next starts. Records in `log` whose
-    judge stamp differs from `judge.stamp` (model, URL, max_tokens, prompt) are judged again.
+    judge stamp differs from `judge.stamp` (model, URL, max_tokens, prompt) are judged again,
+    `batch_size` at a time, each batch saved. A judge that fails (or a Ctrl-C while judging) costs
+    no answer and no verdict received: the batch is saved unjudged; a rerun judges what lacks a stamp.
     """
     ids = [q.id for q in qa]
     if len(set(ids)) != len(ids):
@@ -241,9 +252,11 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
         # judged it, so it counts as stale too: one request per question, not a silent mix of judges.
         stale = [log.done[k] for k in ((dataset, method, i) for i in ids) if k in log.done
                  and any(log.done[k].get(field) != value for field, value in judge.stamp.items())]
-        if stale:
-            judge.score(stale)
-            log.replace(stale)
+        # a batch at a time, each saved: a judge that fails midway keeps the verdicts it gave
+        for start in range(0, len(stale), batch_size):
+            chunk = stale[start:start + batch_size]
+            judge.score(chunk)
+            log.replace(chunk)
     with tqdm(total=len(qa), initial=len(qa) - len(todo), desc=f"{dataset} {method}", disable=not progress,
               unit="q", dynamic_ncols=True) as bar:
         for start in range(0, len(todo), batch_size):
@@ -251,9 +264,13 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
             records = run(chunk)
             for r in records:
                 r["dataset"] = dataset
-            if judge is not None:
-                judge.score(records)
-            log.add(records)
+            # Saved even when judging fails (or is interrupted): unjudged records lack judge.stamp,
+            # so the next run judges them as stale instead of generating them again.
+            try:
+                if judge is not None:
+                    judge.score(records)
+            finally:
+                log.add(records)
             bar.update(len(chunk))
     return [log.done[(dataset, method, i)] for i in ids]
 

@@ -13,7 +13,7 @@ from conftest import JSONHandler, make_byte_tokenizer, make_tiny_llama
 from test_rollout import FakeRetriever
 
 import evaluate
-from searchlite.data import QA
+from searchlite.data import QA, DataError
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
                                    summarize)
 from searchlite.judge import Judge, JudgeError, verdict
@@ -84,13 +84,16 @@ def test_direct_metrics_hand_computed(tok):
                                       "answered": 2 / 3, "length": 2.0, "n": 3}, abs=1e-12)
 
 
-def test_cover_em_word_cap_and_types(tok):
-    long = "it is " + "very " * 8 + "Paris"  # 11 words: over R1-Searcher++'s cap of 10
+def test_cover_em_has_no_word_cap_and_types(tok):
+    """Evaluation's cover-EM is R1-Searcher++'s ACC_R (R1-Searcher's cover_exact_match_score, no
+    length limit): the training reward's 10-word cap does not apply."""
+    long = "it is " + "very " * 8 + "Paris"  # 11 words: over the training reward's cap of 10
     questions = qa(("a", ["Paris"], {"type": "1hop"}), ("b", ["Paris"], {"type": "2hop"}),
                    ("c", ["Rome"], {"type": "2hop"}))
     replies = {"a": long, "b": "<answer> paris </answer>", "c": "Rome."}
     recs = run_batch("rag", questions, ScriptedSampler(tok, replies), FakeRetriever(), tok, P, chat_template=False)
-    assert [r["cover_em"] for r in recs] == [0.0, 1.0, 1.0]
+    assert [r["cover_em"] for r in recs] == [1.0, 1.0, 1.0]
+    assert [r["em"] for r in recs] == [0.0, 1.0, 1.0]
     assert [r["prediction"] for r in recs] == [long, "paris", "Rome."]
     m = summarize(recs)
     assert m["1hop"]["n"] == 1 and m["2hop"]["n"] == 2 and m["all"]["n"] == 3
@@ -159,6 +162,17 @@ def test_extract_answer_cases():
     assert extract_answer("cot", "x <answer>42</answer> so the answer is 7") == "42"
 
 
+def test_an_answer_cut_off_before_its_closing_tag_loses_the_tag(tok):
+    """direct and rag stop at answer_tokens or at "\nQuestion:", which can come before </answer>."""
+    assert extract_answer("direct", "<answer> Paris") == "Paris"
+    assert extract_answer("rag", "Answer: <answer>\nLyon\nQuestion: next") == "Lyon"
+    assert extract_answer("direct", "<answer>") is None
+    replies = {"capital of France": "<answer> Paris"}
+    recs = run_batch("direct", qa(("capital of France", ["Paris"])), ScriptedSampler(tok, replies), None, tok, P,
+                     chat_template=False)
+    assert (recs[0]["prediction"], recs[0]["em"]) == ("Paris", 1.0)
+
+
 def test_average_is_unweighted_over_datasets():
     a = {"all": {"em": 1.0, "f1": 1.0, "n": 1}}
     b = {"all": {"em": 0.0, "f1": 0.5, "n": 3}}
@@ -217,6 +231,14 @@ def test_duplicate_ids_are_refused(tok, tmp_path):
     questions = [QA("1", "a", ["x"]), QA("1", "b", ["y"])]
     with pytest.raises(ValueError, match="occurs more than once"):
         evaluate_set("d", "direct", questions, RecordLog(tmp_path / "r.jsonl"), lambda c: [], progress=False)
+
+
+def test_a_record_without_its_key_names_its_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"dataset": "d", "method": "direct", "id": "0"}\n\n{"dataset": "d", "id": "1"}\n')
+    with pytest.raises(DataError) as e:
+        RecordLog(path)
+    assert str(e.value) == f"{path}:3: record lacks 'method'"  # the blank line 2 counts
 
 
 # ---------------------------------------------------------------------------- the CLI end to end
@@ -487,6 +509,78 @@ def test_run_json_and_table_are_written_durably(world, tmp_path, monkeypatch):
     assert json.loads((out / "run.json").read_text())["topk"] == 3
 
 
+def test_a_resume_refuses_a_rebuilt_index_or_a_changed_encoder(world, tmp_path, capsys):
+    """An index rebuilt in place (other BM25 k1, b) or an encoder folder retrained in place keeps
+    its path: its files' size and mtime (and the index's settings file) tell the records apart."""
+    import os
+
+    from searchlite.data import read_corpus
+    from searchlite.retrieval import BM25Retriever
+
+    out, index = tmp_path / "out", tmp_path / "index"
+    passages = read_corpus(world / "corpus.jsonl")
+    BM25Retriever(passages).save(index)
+    args = cli(world, out, "--methods", "rag", "--data", str(world / "alpha.jsonl"), "--index", str(index))
+    evaluate.main([*args, "--limit", "3"])
+    evaluate.main([*args, "--limit", "5"])
+    assert "reusing 3 finished answers" in capsys.readouterr().out
+    BM25Retriever(passages, k1=0.9, b=0.4).save(index)  # Search-R1's Pyserini settings, into the same folder
+    with pytest.raises(SystemExit, match=rf"other settings \(the index changed: .*params.index.json.* in "
+                                         rf"{re.escape(str(index))}\)"):
+        evaluate.main([*args, "--limit", "5"])
+    saved = json.loads((out / "run.json").read_text())["index_files"]
+    assert json.loads(saved["bm25.json"])["num_passages"] == 12 and "corpus_offsets.npz" not in saved
+
+    encoder = tmp_path / "encoder"  # a local encoder folder: its files are fingerprinted, not loaded (direct)
+    encoder.mkdir()
+    (encoder / "model.safetensors").write_bytes(b"weights")
+    args = cli(world, tmp_path / "out2", "--methods", "direct", "--data", str(world / "beta.jsonl"),
+               "--encoder", str(encoder))
+    evaluate.main(args)
+    st = (encoder / "model.safetensors").stat()
+    os.utime(encoder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(SystemExit, match=rf"other settings \(the encoder changed: model.safetensors in "
+                                         rf"{re.escape(str(encoder))}\)"):
+        evaluate.main(args)
+    faiss_file = tmp_path / "e5_Flat.index"  # Search-R1's FAISS file: its own size and mtime
+    faiss_file.write_bytes(b"faiss")
+    got = evaluate.fingerprints(str(world / "model"), None, {}, index=str(faiss_file))["index_files"]
+    assert got == {"e5_Flat.index": [5, faiss_file.stat().st_mtime_ns]}
+
+
+def test_a_second_run_into_one_folder_is_refused(world, tmp_path):
+    """Two runs appending to, and rewriting, one records.jsonl would lose each other's records."""
+    import fcntl
+
+    out = tmp_path / "out"
+    args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
+    evaluate.main(args)
+    before = [(out / name).read_bytes() for name in ("records.jsonl", "run.json")]
+    with open(out / "evaluate.lock", "w") as other:  # another evaluate.py, still running
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([*args, "--overwrite"])
+    assert e.value.code == (f"error: another evaluate.py is writing to {out}; wait for it to finish, "
+                            "or choose another --out")
+    assert [(out / name).read_bytes() for name in ("records.jsonl", "run.json")] == before  # untouched
+    evaluate.main(args)  # the other has finished: the folder is free again
+
+
+def test_a_damaged_record_log_is_a_one_line_error(world, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
+    evaluate.main(args)
+    log = out / "records.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    unkeyed = json.dumps({k: v for k, v in json.loads(lines[1]).items() if k != "dataset"}) + "\n"
+    for line, why in (("not JSON\n", "bad JSON: Expecting value (column 1)"), (unkeyed, "record lacks 'dataset'")):
+        log.write_text(lines[0] + line + lines[2])
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(args)
+        assert e.value.code == f"error: {log}:2: {why}"
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -594,15 +688,19 @@ def test_error_no_data_and_mistyped_template(world, tmp_path):
 class JudgeHandler(JSONHandler):
     """OpenAI chat-completions shape: True when the prompt's prediction line equals its gold line.
 
-    `answer(ok, prompt)` words the reply; a test swaps it (monkeypatch) to play another judge."""
+    `answer(ok, prompt)` words the reply; a test swaps it (monkeypatch) to play another judge,
+    or `fail(prompt)` to play one that fails."""
 
     seen: list = []
     answer = staticmethod(lambda ok, prompt: "True" if ok else "False.")
+    fail = staticmethod(lambda prompt: False)  # True: reply 503, as an overloaded server does
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         text = body["messages"][0]["content"]
         JudgeHandler.seen.append((self.path, body, self.headers.get("Authorization")))
+        if self.fail(text):
+            return self.send_json(503, {"error": "overloaded"})
         gold = re.search(r"Gold answer: (.*)", text)
         pred = re.search(r"Predicted answer: (.*)", text)
         ok = bool(gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | "))
@@ -720,6 +818,42 @@ def test_judge_added_to_finished_records(tok, tmp_path, judge_server):
     assert [r["judge"] for r in recs] == [1.0, 0.0] and summarize(recs)["all"]["judge"] == 0.5
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [(r["id"], r["judge"]) for r in lines] == [("0", 1.0), ("1", 0.0)]  # rewritten, one line each
+
+
+def test_a_judge_failure_keeps_the_batch_and_a_rerun_judges_it(tok, tmp_path, judge_server, monkeypatch):
+    questions = qa(("q1", ["Paris"]), ("q2", ["Rome"]), ("q3", ["Oslo"]), ("q4", ["Bern"]))
+    sampler = ScriptedSampler(tok, {"q1": "paris", "q2": "Milan", "q3": "oslo", "q4": "Bern"})
+    run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
+    path, judge = tmp_path / "r.jsonl", Judge(judge_server, "j", retries=0)
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "Question: q3" in prompt))
+    with pytest.raises(JudgeError, match="HTTP 503"):
+        evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["id"], r.get("judge")) for r in lines] == [("0", 1.0), ("1", 0.0), ("2", None), ("3", None)]
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: False))
+    before = len(JudgeHandler.seen)
+    recs = evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+    assert len(sampler.calls) == 2  # the answers were kept: none generated again
+    assert len(JudgeHandler.seen) - before == 2  # only the two unjudged ones asked
+    assert [r["judge"] for r in recs] == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_stale_records_are_judged_and_saved_a_batch_at_a_time(tok, tmp_path, judge_server, monkeypatch):
+    questions = qa(*[(f"q{i}", [f"a{i}"]) for i in range(5)])
+    sampler = ScriptedSampler(tok, {f"q{i}": f"a{i}" for i in range(5)})
+    run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
+    path, judge = tmp_path / "r.jsonl", Judge(judge_server, "j", retries=0)
+    evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=5, progress=False)  # no judge yet
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "Question: q4" in prompt))
+    with pytest.raises(JudgeError):
+        evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("judge") for r in lines] == [1.0, 1.0, 1.0, 1.0, None]  # the verdicts received are kept
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: False))
+    before = len(JudgeHandler.seen)
+    recs = evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+    assert len(JudgeHandler.seen) - before == 1 and [r["judge"] for r in recs] == [1.0] * 5
+    assert len(sampler.calls) == 1
 
 
 def test_cli_with_judge(world, tmp_path, judge_server, capsys):
