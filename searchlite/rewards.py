@@ -92,7 +92,7 @@ def f1_score(pred: str | None, golds: list[str]) -> float:
     return max((_f1_one(pred, g) for g in _as_list(golds)), default=0.0)
 
 
-def cover_exact_match(pred: str | None, golds: list[str], max_words: int = 10) -> float:
+def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None = 10) -> float:
     """R1-Searcher++ answer reward: a normalised gold occurs in the normalised prediction.
 
     The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"; R1-Searcher's
@@ -100,7 +100,8 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int = 10) -
     order and place, would also cover "Eiffel Tower" with "tower of eiffel"; the paper does not say
     which it used), and the prediction may have at most `max_words` whitespace-separated words, counted
     on the raw prediction as the model wrote it — otherwise 0.0, so the policy cannot win
-    by listing candidates (R1-Searcher++ §4.2.1). Golds that normalise to "" never match.
+    by listing candidates (R1-Searcher++ §4.2.1, the training reward). `max_words=None` is the
+    evaluation metric (ACC_R, §5.1), which has no such cap. Golds that normalise to "" never match.
 
     >>> cover_exact_match("paris, france", ["Paris"])
     1.0
@@ -108,8 +109,10 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int = 10) -
     0.0
     >>> cover_exact_match("one two three four five six seven eight nine ten paris", ["paris"])
     0.0
+    >>> cover_exact_match("one two three four five six seven eight nine ten paris", ["paris"], max_words=None)
+    1.0
     """
-    if pred is None or len(pred.split()) > max_words:
+    if pred is None or (max_words is not None and len(pred.split()) > max_words):
         return 0.0
     p = f" {normalize_answer(pred)} "
     for g in _as_list(golds):
