@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import ArgumentParser, HelpFormatter
-from .data import DataError, read_log
+from .data import DataError, parse_object
 
 PANELS = [("reward", "train reward"), ("em", "train EM"), ("eval/all", "held-out test EM"),
           ("searches", "valid searches / rollout"), ("response_len", "response length (policy tokens)"),
@@ -23,11 +23,25 @@ PANELS = [("reward", "train reward"), ("em", "train EM"), ("eval/all", "held-out
 
 
 def read_metrics(run: str | Path) -> list[dict]:
-    """A run's metrics.jsonl rows; a line still being written by a running train.py is left out."""
+    """A run's metrics.jsonl rows; a line still being written by a running train.py is left out.
+    A row without a numeric `step` is a DataError naming its file and line, not skipped: train.py
+    logs `step` in every row, so such a row means some other JSONL file was given, and a plot that
+    quietly left its rows out would mislead."""
     path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
     if not path.is_file():
         raise DataError(f"{run}: no metrics.jsonl (give a train.py out_dir or the file itself)")
-    return read_log(path, cut=False)
+    raw = path.read_bytes()
+    rows = []
+    for n, line in enumerate(raw[: raw.rfind(b"\n") + 1].splitlines(), 1):  # as read_log(path, cut=False)
+        row = parse_object(line, path, n)
+        if row is None:
+            continue
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            why = "no 'step'" if step is None else f"'step' is {step!r}, not a number"
+            raise DataError(f"{path}:{n}: {why}; every row train.py logs has its step: is this a run's metrics.jsonl?")
+        rows.append(row)
+    return rows
 
 
 def label(run: str | Path) -> str:
@@ -84,6 +98,8 @@ def main(argv=None) -> None:
         print(plot(args.runs, args.out))
     except DataError as e:  # a missing file, or a bad line (its file and line)
         sys.exit(f"error: {e}")
+    except OSError as e:  # a file that does not read (permissions)
+        sys.exit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}")
 
 
 if __name__ == "__main__":

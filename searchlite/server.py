@@ -15,7 +15,8 @@ queries, `topk` 0..100, unknown fields ignored; anything else is answered 422 wi
 one loop takes every request that arrives within `batch_wait` seconds of the first (up to
 `max_batch` queries), runs a single `retriever.search` over all their queries, once per topk
 among them, in a worker thread, and hands each request its share; that is one encoder pass
-and one FAISS search instead of one per request. The answer is turned into JSON in a worker
+and one FAISS search instead of one per request; a search or batcher that fails answers the
+requests it holds 500, never leaves them waiting. The answer is turned into JSON in a worker
 thread too, so a large one does not stall other requests. Left out on purpose:
 authentication and TLS; the server binds 127.0.0.1 unless told otherwise.
 
@@ -36,6 +37,7 @@ Where it differs from Search-R1's server (search_r1/search/retrieval_server.py):
 
 import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -74,18 +76,33 @@ class Health(BaseModel):
 
 class Batcher:
     """Queues (queries, k) jobs from request handlers; `run` answers them in merged batches of
-    at most `max_batch` queries (a single larger job runs alone)."""
+    at most `max_batch` queries (a single larger job runs alone).
+
+    The queue and the task serve one event loop: an asyncio.Queue works only on the loop it was
+    first used on, so `start` on another loop (the app served again: a second TestClient, a
+    restarted server) gives that loop a fresh queue and task. If `run` stops (an error, a
+    cancel), every request it holds gets the error instead of waiting forever, and the next
+    request starts it again."""
 
     def __init__(self, retriever, wait: float, max_batch: int):
         self.retriever, self.wait, self.max_batch = retriever, wait, max_batch
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.pending = None  # a job that did not fit in the last batch: it leads the next one (FIFO)
+        self.queue: asyncio.Queue | None = None  # made by `start`, for the loop it serves
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Start `run` on the running event loop unless it is running already."""
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self.run())
+        """Start `run` on the running event loop unless it is running there already."""
+        loop = asyncio.get_running_loop()
+        if self.task is not None and not self.task.done() and self.task.get_loop() is loop:
+            return
+        if self.task is None or self.task.get_loop() is not loop:
+            self.queue = asyncio.Queue()  # the old loop's task keeps its own queue
+        self.task = loop.create_task(self.run())
+        self.task.add_done_callback(_log_failure)
+
+    def stop(self) -> None:
+        """Cancel `run` if it runs on this loop (a lifespan's shutdown)."""
+        if self.task is not None and self.task.get_loop() is asyncio.get_running_loop():
+            self.task.cancel()
 
     async def search(self, queries: list[str], k: int) -> list:
         self.start()  # an app mounted inside another one never sees its own lifespan start
@@ -94,37 +111,60 @@ class Batcher:
         return await fut
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.pending is None:
-                self.pending = await self.queue.get()
-            jobs, self.pending = [self.pending], None
-            await asyncio.sleep(self.wait)  # let concurrent requests join this batch
-            size = len(jobs[0][0])
-            while self.pending is None and not self.queue.empty():
-                job = self.queue.get_nowait()
-                if size + len(job[0]) > self.max_batch:
-                    self.pending = job  # too many queries for this batch
-                else:
-                    jobs.append(job)
-                    size += len(job[0])
-            by_k: dict[int, list] = {}  # one search per topk: the best 5 cut to 3 need not be the best 3 (ties)
-            for job in jobs:
-                by_k.setdefault(job[1], []).append(job)
-            for k, group in by_k.items():
-                queries = [q for qs, _, _ in group for q in qs]
-                try:
-                    hits = await loop.run_in_executor(None, self.retriever.search, queries, k)
-                except Exception as e:  # answer every waiting request, keep serving
-                    for *_, fut in group:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                start = 0
-                for qs, _, fut in group:
-                    if not fut.done():  # a client that went away leaves a cancelled future
-                        fut.set_result(hits[start:start + len(qs)])
-                    start += len(qs)
+        loop, queue = asyncio.get_running_loop(), self.queue
+        jobs, pending = [], None  # pending: a job that did not fit in the last batch; it leads the next (FIFO)
+        try:
+            while True:
+                jobs, pending = [await queue.get() if pending is None else pending], None
+                await asyncio.sleep(self.wait)  # let concurrent requests join this batch
+                pending = self._fill(queue, jobs)
+                by_k: dict[int, list] = {}  # one search per topk: the best 5 cut to 3 need not be the best 3 (ties)
+                for job in jobs:
+                    by_k.setdefault(job[1], []).append(job)
+                for k, group in by_k.items():
+                    queries = [q for qs, _, _ in group for q in qs]
+                    try:
+                        hits = await loop.run_in_executor(None, self.retriever.search, queries, k)
+                        start = 0
+                        for qs, _, fut in group:
+                            if not fut.done():  # a client that went away leaves a cancelled future
+                                fut.set_result(hits[start:start + len(qs)])
+                            start += len(qs)
+                    except Exception as e:  # answer every waiting request, keep serving
+                        _fail(group, e)
+                jobs = []
+        except BaseException as e:  # stopped (an error, a cancel): no request it holds may wait forever
+            held = jobs + ([pending] if pending is not None else [])
+            while not queue.empty():
+                held.append(queue.get_nowait())
+            _fail(held, e if isinstance(e, Exception) else RuntimeError("the search batcher was stopped"))
+            raise
+
+    def _fill(self, queue: asyncio.Queue, jobs: list):
+        """Add queued jobs to `jobs`, in arrival order, while they fit in `max_batch` queries;
+        return the first that does not (it leads the next batch), or None."""
+        size = sum(len(qs) for qs, _, _ in jobs)
+        while not queue.empty():
+            job = queue.get_nowait()
+            if size + len(job[0]) > self.max_batch:
+                return job
+            jobs.append(job)
+            size += len(job[0])
+        return None
+
+
+def _fail(jobs: list, e: BaseException) -> None:
+    for *_, fut in jobs:
+        if not fut.done():
+            fut.set_exception(e)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """Report a batcher that died of an error once, here (its requests got the error): unread, asyncio
+    would print "Task exception was never retrieved" when the task is collected."""
+    if not task.cancelled() and task.exception() is not None:
+        logging.getLogger(__name__).error("the search batcher stopped; the next request restarts it",
+                                          exc_info=task.exception())
 
 
 def _document(h) -> dict:
@@ -171,9 +211,9 @@ def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_q
 
     @asynccontextmanager
     async def lifespan(app):
-        batcher.start()
+        batcher.start()  # this loop's queue and task: an app may be served on several loops in turn
         yield
-        batcher.task.cancel()
+        batcher.stop()
 
     app = FastAPI(title="searchlite retrieval", version="1", lifespan=lifespan,
                   description="Search-R1-compatible retrieval: POST /retrieve")

@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from .config import resolve_path
-    from .data import read_qa
+    from .data import DataError, read_qa
     from .model_spec import ModelError, fill_prompt_settings, load_model
     from .protocol import get_protocol
     from .retrieval import build_retriever
@@ -104,13 +104,20 @@ def main(argv=None) -> None:
     from .rollout import rollout
     from .sampler import HFSampler
 
+    # the files first, so that a bad one is named before the model loads; a missing one, or a bad line
+    # (DataError names its file and line), is one line, not a traceback
+    try:
+        qa = read_qa(resolve_path(args.data))[: args.n]
+        retriever = build_retriever("bm25", resolve_path(args.corpus))
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
     try:
         fill_prompt_settings(args)
         model, tok = load_model(args.model)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
-    qa = read_qa(resolve_path(args.data))[: args.n]
-    retriever = build_retriever("bm25", resolve_path(args.corpus))
     ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol, args.template),
                  [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, chat_template=args.chat_template,
                  greedy=args.greedy)

@@ -1,6 +1,7 @@
 """The learning-curve command reads metrics.jsonl rows (train and eval) and writes a PNG."""
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,20 @@ def test_a_running_run_is_read_as_it_stands_and_bad_input_is_named(tmp_path):
     path.write_text('{"step": 1}\n')
     with pytest.raises(SystemExit, match=r"no step logged any of reward, em, eval/all"):
         main([str(tmp_path)])
+
+
+def test_a_row_without_a_step_is_named_by_its_file_and_line(tmp_path):
+    """A row without `step` raised KeyError: 'step'. It is an error, not a row skipped: train.py
+    logs a step in every row, so such a row means another file was given."""
+    from searchlite.plot import main
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.1}\n\n{"reward": 0.2}\n')  # line 3: the blank line counts
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))}:3: no 'step'; every row train.py logs"):
+        main([str(tmp_path), "--out", str(tmp_path / "c.png")])
+    path.write_text('{"step": "2", "reward": 0.2}\n')
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))}:1: 'step' is '2', not a number"):
+        main([str(path), "--out", str(tmp_path / "c.png")])
 
 
 def test_reward_and_em_panels_and_run_labels(tmp_path):

@@ -3,7 +3,9 @@ index (against bm25s), sharded dense builds that resume, Search-R1's released co
 faiss file loaded as they are, and the HTTP server (Search-R1 round trip, validation,
 batching, a 32-client load test, schemathesis fuzzing against its own OpenAPI schema)."""
 
+import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -347,6 +349,17 @@ def test_shards_of_a_corpus_edited_in_place_are_refused(tmp_path, encoder):
     build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
 
 
+def test_a_damaged_shard_manifest_is_named(tmp_path, encoder):
+    """A manifest that did not parse failed with json's bare "Expecting property name ...: line 2
+    column 1", naming no file."""
+    manifest = tmp_path / "e5" / "shards" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    for text, why in (("{\n", "not valid JSON (Expecting property name"), ("[]", "expected a JSON object")):
+        manifest.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{manifest}: {why}")):
+            build_dense_folder(TOY, tmp_path / "e5", encoder, max_length=48, progress=False)
+
+
 def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
     r = build_dense_folder(TOY, tmp_path / "hnsw", encoder, faiss_index="hnsw", max_length=48, progress=False)
     assert json.loads((tmp_path / "hnsw" / "dense.json").read_text())["search_params"] == "efSearch=128"
@@ -642,6 +655,60 @@ def test_an_app_mounted_in_another_answers(toy_passages):
         code, reply = _post(url + "/search", json.dumps({"queries": [QUERIES[0]], "topk": 2}).encode())
     expected = [[passage_to_dict(Passage(h.id, h.title, h.text)) for h in r.search([QUERIES[0]], 2)[0]]]
     assert (code, reply) == (200, {"result": expected})
+
+
+def _errors_logged(caplog) -> list[str]:
+    gc.collect()  # asyncio reports a failed task nobody read when the task is collected
+    return [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
+
+
+def test_an_app_served_on_one_event_loop_after_another_answers(toy_passages, caplog):
+    """The batcher's queue was made with the app and bound to the first event loop that used it:
+    served again on a second loop (a second TestClient), every request started a batcher task
+    that died ("is bound to a different event loop", reported as "Task exception was never
+    retrieved")."""
+    from fastapi.testclient import TestClient
+
+    from searchlite.server import make_app
+
+    r = BM25Retriever(toy_passages)
+    app = make_app(r)
+    expected = {"result": [[passage_to_dict(Passage(h.id, h.title, h.text)) for h in r.search([QUERIES[0]], 2)[0]]]}
+    for _ in range(2):
+        with TestClient(app) as client:  # a lifespan on a loop of its own
+            for _ in range(2):
+                reply = client.post("/retrieve", json={"queries": [QUERIES[0]], "topk": 2})
+                assert (reply.status_code, reply.json()) == (200, expected)
+    client = TestClient(app)  # no lifespan: each request runs on a loop of its own
+    for _ in range(2):
+        assert client.post("/retrieve", json={"queries": [QUERIES[0]], "topk": 2}).json() == expected
+    assert _errors_logged(caplog) == []
+
+
+def test_a_batcher_that_fails_answers_500_and_serves_the_next_request(toy_passages, monkeypatch, caplog):
+    """A batcher that died with a batch in hand left those requests waiting forever; now each
+    gets a 500 naming the error, and the next request is served."""
+    from searchlite.server import Batcher, make_app
+
+    r = CountingRetriever(toy_passages)
+    body = json.dumps({"queries": [QUERIES[0]], "topk": 2}).encode()
+    with running(make_app(r)) as url:
+        assert _post(url, body)[0] == 200
+        r.search = lambda queries, k: None  # not a list per query: handing the hits out fails
+        code, reply = _post(url, body)  # hung (a timeout here) before
+        assert code == 500 and reply["detail"].startswith("search failed: TypeError: 'NoneType' object")
+        del r.search
+        assert _post(url, body)[0] == 200
+
+        def die(self, queue, jobs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(Batcher, "_fill", die)  # the batcher's own loop fails, a batch in hand
+        assert _post(url, body) == (500, {"detail": "search failed: RuntimeError: boom"})
+        monkeypatch.undo()
+        assert _post(url, body)[0] == 200  # started again
+    errors = _errors_logged(caplog)
+    assert errors == ["the search batcher stopped; the next request restarts it"]  # said once, not "never retrieved"
 
 
 def test_missing_null_or_zero_topk_gets_the_default_as_in_search_r1(toy_passages):

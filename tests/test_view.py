@@ -67,3 +67,27 @@ def test_the_command_refuses_no_questions(capsys):
     with pytest.raises(SystemExit):
         main(["--n", "0"])
     assert "argument --n: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypatch):
+    """A bad JSON line or a missing file ended in a DataError or FileNotFoundError traceback, after
+    the model had loaded; now it is one line naming the file (and line), before the model loads."""
+    import searchlite.model_spec
+    from searchlite.view import main
+
+    def never(*args, **kw):
+        raise AssertionError("the model was loaded before the files were read")
+
+    monkeypatch.setattr(searchlite.model_spec, "load_model", never)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": \n')
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(bad))}:2: bad JSON"):
+        main(["--data", str(bad)])
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(missing))}: No such file or directory$"):
+        main(["--data", str(missing)])
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(missing))}: No such file or directory$"):
+        main(["--corpus", str(missing)])
+    bad.write_text('{"id": "0", "contents": "\\"T\\"\\nx"}\n{"id": "1", "contents": 5}\n')  # a corpus, line 2 bad
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(bad))}:2: field 'contents' must be a string"):
+        main(["--corpus", str(bad)])
