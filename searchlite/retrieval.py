@@ -28,6 +28,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 
 from searchlite.bm25 import FILES as BM25_FILES
@@ -78,10 +79,12 @@ def _hits(passages, idx, scores) -> list[Hit]:
 
 def _corpus_record(folder, passages) -> dict:
     """What an index folder notes about its corpus: size and an id fingerprint, and for a
-    file-backed corpus its path, with its line offsets cached beside the index."""
+    file-backed corpus its path, size in bytes and modification time (an edit in place that
+    keeps the ids shows in those), with its line offsets cached beside the index."""
     rec = dict(num_passages=len(passages), ids_sample_sha1=sample_ids_digest(passages), corpus=None)
     if isinstance(passages, Corpus):
         rec["corpus"] = os.path.abspath(passages.path)
+        rec["corpus_bytes"], rec["corpus_mtime_ns"] = passages.stamp  # as it was when opened for the build
         passages.save_offsets(os.path.join(folder, "corpus_offsets.npz"))
     return rec
 
@@ -112,6 +115,20 @@ def begin_index_folder(folder, kind: str) -> None:
             os.remove(marker)  # on disk by the next replace_durably here, which syncs the folder
 
 
+def read_settings(folder, kind: str) -> dict:
+    """A finished folder's `{kind}.json`; one that does not parse is a ValueError naming it."""
+    path = os.path.join(folder, f"{kind}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rebuild the index") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: expected a JSON object of index settings, got {type(settings).__name__}; "
+                         "rebuild the index")
+    return settings
+
+
 def _write_settings(folder, settings: dict) -> None:
     write_durably(os.path.join(folder, f"{settings['kind']}.json"), lambda f: json.dump(settings, f, indent=2), "w")
 
@@ -121,6 +138,15 @@ def _check_corpus(folder, settings: dict, passages) -> None:
     if settings.get("num_passages") != len(passages) or (expected and expected != sample_ids_digest(passages)):
         raise ValueError(f"{folder} was built over a different corpus (passage ids or order differ): it holds "
                          f"{settings.get('num_passages')} passages, the corpus given has {len(passages)}")
+    # Same ids, same count: an edit in place of the passages' text shows only in the file's size
+    # or time (folders built before these were recorded are not checked). A warning, not an
+    # error: the index still answers, but it scores the text as it was.
+    built = [settings.get("corpus_bytes"), settings.get("corpus_mtime_ns")]
+    if (isinstance(passages, Corpus) and settings.get("corpus") == os.path.abspath(passages.path)
+            and None not in built and built != passages.stamp):
+        warnings.warn(f"{passages.path} changed since {folder} was built from it (its size or modification time "
+                      "differs): the index scores the text as it was; rebuild it with `python retrieve.py build`",
+                      stacklevel=3)
 
 
 # ---------------------------------------------------------------------------- BM25
@@ -186,8 +212,7 @@ class BM25Retriever(Retriever):
         """Open a folder written by `save` (arrays memory-mapped) over the same passages."""
         from searchlite.bm25 import BM25Index
 
-        with open(os.path.join(folder, "bm25.json")) as f:
-            _check_corpus(folder, json.load(f), passages)
+        _check_corpus(folder, read_settings(folder, "bm25"), passages)
         return cls(passages, index=BM25Index.load(folder))
 
 
@@ -347,8 +372,7 @@ class DenseRetriever(Retriever):
     def load(cls, folder, passages, **overrides) -> "DenseRetriever":
         """Rebuild a retriever saved with `save` over the same passages, in the same order.
         `overrides` replace saved settings or set others (`device`, `batch_size`, `mmap`)."""
-        with open(os.path.join(folder, "dense.json")) as f:
-            settings = json.load(f)
+        settings = read_settings(folder, "dense")
         _check_corpus(folder, settings, passages)
         keep = ("encoder", "pooling", "query_prefix", "passage_prefix", "max_length", "search_params")
         kw = {k: settings[k] for k in keep if k in settings}
@@ -458,8 +482,7 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
                                 "build one with `python retrieve.py build`")
     if kind is not None and kind != found:
         raise ValueError(f"{folder} holds a {found} index, not a {kind} one")
-    with open(os.path.join(folder, f"{found}.json")) as f:
-        settings = json.load(f)
+    settings = read_settings(folder, found)
     if corpus is None:
         corpus = settings.get("corpus")
         if not corpus or not os.path.isfile(corpus):

@@ -241,6 +241,49 @@ def test_damaged_bm25_files_are_named(tmp_path):
         load_index(folder)
 
 
+def test_damaged_index_settings_are_named(tmp_path):
+    """A bm25.json that did not parse failed with json's bare "Expecting property name ...: line 2
+    column 1", naming no file; retrieve.py printed just that."""
+    import retrieve
+
+    folder = tmp_path / "i"
+    build_bm25_folder(TOY, folder, progress=False)
+    settings = folder / "bm25.json"
+    for text, why in (("{\n", "not valid JSON (Expecting property name"), ("[]", "expected a JSON object")):
+        settings.write_text(text)
+        for load in (lambda: load_index(folder), lambda: BM25Retriever.load(folder, read_corpus(TOY))):
+            with pytest.raises(ValueError, match=re.escape(f"{settings}: {why}")):
+                load()
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {settings}: expected a JSON object")):
+        retrieve.main(["query", "--index", str(folder), "who?"])
+
+
+def test_a_corpus_edited_in_place_under_an_index_folder_warns(tmp_path, toy_passages):
+    """Only the passage count and ids were checked: a corpus whose text was edited in place
+    loaded silently, and the index scored the old text."""
+    import warnings
+
+    corpus, folder = tmp_path / "c.jsonl", tmp_path / "i"
+    shutil.copy(TOY, corpus)
+    build_bm25_folder(corpus, folder, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_index(folder)  # unchanged: no warning
+    data, st = bytearray(corpus.read_bytes()), os.stat(corpus)
+    data[data.index(b"\\n") + 2] ^= 0x20  # the case of the first passage's first letter: same ids, same size
+    corpus.write_bytes(data)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later edit, whatever the clock's grain
+    for given in (None, str(corpus)):
+        with pytest.warns(UserWarning, match=re.escape(f"{corpus} changed since {folder} was built from it")):
+            load_index(folder, given)
+    settings = json.loads((folder / "bm25.json").read_text())
+    del settings["corpus_bytes"], settings["corpus_mtime_ns"]  # a folder built before they were recorded
+    (folder / "bm25.json").write_text(json.dumps(settings))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_index(folder)
+
+
 def test_a_folder_holds_one_kind_of_index(tmp_path, encoder):
     """A dense build into a BM25 folder used to succeed, and the folder then loaded as BM25."""
     build_bm25_folder(TOY, tmp_path / "i", progress=False)
