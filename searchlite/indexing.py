@@ -34,7 +34,8 @@ import numpy as np
 
 from searchlite.corpus import Corpus
 from searchlite.data import DataError, write_durably
-from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, check_index_folder, default_prefixes
+from searchlite.retrieval import (BM25Retriever, DenseRetriever, TextEncoder, check_index_folder, default_prefixes,
+                                  read_json_object)
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
 TRAIN_LIMIT = 100_000  # vectors sampled to train a quantizer: k-means time and memory grow with them
@@ -97,24 +98,11 @@ def _shard_paths(folder, n: int, shard_size: int) -> list[str]:
     return [os.path.join(folder, "shards", f"{s // shard_size:06d}.npy") for s in range(0, n, shard_size)]
 
 
-def _read_manifest(path, folder) -> dict:
-    """The shard manifest at `path`; one that does not parse is a ValueError naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete {folder}/shards to encode the corpus afresh") from None
-    if not isinstance(old, dict):
-        raise ValueError(f"{path}: expected a JSON object of build settings, got {type(old).__name__}; "
-                         f"delete {folder}/shards to encode the corpus afresh")
-    return old
-
-
 def _check_manifest(folder, manifest: dict) -> None:
     """Write the shard manifest, or refuse to resume shards made with other settings."""
     path = os.path.join(folder, "shards", "manifest.json")
     if os.path.exists(path):
-        old = _read_manifest(path, folder)
+        old = read_json_object(path, "build settings", f"delete {folder}/shards to encode the corpus afresh")
         old.setdefault("corpus_mtime_ns", manifest["corpus_mtime_ns"])  # written before it was recorded
         diff = sorted(k for k in manifest.keys() | old.keys() if manifest.get(k) != old.get(k))
         if diff:

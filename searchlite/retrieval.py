@@ -117,16 +117,20 @@ def begin_index_folder(folder, kind: str) -> None:
 
 def read_settings(folder, kind: str) -> dict:
     """A finished folder's `{kind}.json`; one that does not parse is a ValueError naming it."""
-    path = os.path.join(folder, f"{kind}.json")
+    return read_json_object(os.path.join(folder, f"{kind}.json"), "index settings", "rebuild the index")
+
+
+def read_json_object(path, what: str, fix: str) -> dict:
+    """The JSON object (of `what`) in `path`; a file that does not parse, or holds another JSON
+    value, is a ValueError naming it and saying how to `fix` it."""
     try:
         with open(path, encoding="utf-8") as f:
-            settings = json.load(f)
+            obj = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rebuild the index") from None
-    if not isinstance(settings, dict):
-        raise ValueError(f"{path}: expected a JSON object of index settings, got {type(settings).__name__}; "
-                         "rebuild the index")
-    return settings
+        raise ValueError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object of {what}, got {type(obj).__name__}; {fix}")
+    return obj
 
 
 def _write_settings(folder, settings: dict) -> None:
