@@ -49,7 +49,8 @@ from pathlib import Path
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, resolve_path
 from searchlite.data import DataError, read_qa, write_durably
-from searchlite.evaluation import METHODS, RecordLog, average, evaluate_set, load_prompts, run_batch, summarize, table
+from searchlite.evaluation import (METHODS, SCORING, RecordLog, average, evaluate_set, load_prompts, run_batch,
+                                   summarize, table)
 from searchlite.model_spec import fill_prompt_settings, load_model, model_folder, resolve_model
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -125,13 +126,35 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
     """What the answers depend on; a resumed run must match the records already written."""
     digest = lambda text: hashlib.sha1(text.encode()).hexdigest()[:12]  # noqa: E731
     return {"model": model_source, "tokenizer": args.tokenizer, "dtype": args.dtype,
-            "retriever": args.retriever_url or f"{args.retriever}:{resolve_path(args.corpus)}",
+            "retriever": args.retriever_url or f"{args.retriever}:{corpus_used(args)}",
             "index": args.index, "encoder": args.encoder, "topk": args.topk, "protocol": args.protocol,
             "template": digest(protocol.template), "question_mark": protocol.question_mark,
             "prompts": {m: digest(t) for m, t in prompts.items()},
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
-            "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler}
+            "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING}
+
+
+def corpus_used(args) -> str | None:
+    """The corpus file the retriever reads (None: a server's): an --index folder's own unless
+    --corpus names another (retrieval.index_corpus)."""
+    from searchlite.retrieval import index_corpus, index_kind, read_settings
+
+    if uses_server(args):
+        return None
+    path = index_corpus(args.corpus, args.index)
+    if path is not None or index_kind(args.index) is None:  # (an unfinished folder: load_index says so)
+        return path
+    return read_settings(args.index, index_kind(args.index)).get("corpus")
+
+
+def encoder_used(args) -> str:
+    """The encoder the retriever runs: --encoder, else the one a dense --index folder was built with."""
+    from searchlite.retrieval import index_kind, read_settings
+
+    if args.encoder or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
+        return args.encoder
+    return read_settings(args.index, "dense").get("encoder", "")
 
 
 def stat_key(path: Path) -> list[int]:
@@ -358,9 +381,8 @@ def evaluate(args, held: ExitStack) -> dict:
             torch.set_num_threads(args.threads)
         out = Path(args.out)
         source = local_path(source)
-        corpus = None if uses_server(args) else resolve_path(args.corpus)
         setup = (settings(args, source, protocol, prompts) | {"data": files}
-                 | fingerprints(source, corpus, files, args.index, args.encoder))
+                 | fingerprints(source, corpus_used(args), files, args.index, encoder_used(args)))
         marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
         held.enter_context(lock_out(out))  # before anything in --out is read or written
         check_settings(out, setup, args.overwrite, marks_nothing)

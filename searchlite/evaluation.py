@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,6 +46,9 @@ from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
 
 METHODS = ("direct", "cot", "rag", "search")
+# What scoring a record means, kept in a run's settings: records scored otherwise are not mixed in on a resume.
+SCORING = "cover-EM without a word cap; a baseline's unclosed <answer> stripped"
+SAVE_EVERY = 60.0  # seconds between saves of re-judged records (each rewrites records.jsonl)
 METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")  # (+ "judge" when every record has one)
 PLACEHOLDERS = {"direct": ("{question}",), "cot": ("{question}",), "rag": ("{question}", "{documents}")}
 
@@ -239,7 +243,7 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
     `run(chunk)` returns the chunk's records (e.g. a `run_batch` partial); each batch is
     judged (if `judge`) and appended to `log` before the next starts. Records in `log` whose
     judge stamp differs from `judge.stamp` (model, URL, max_tokens, prompt) are judged again,
-    `batch_size` at a time, each batch saved. A judge that fails (or a Ctrl-C while judging) costs
+    `batch_size` at a time, saved every SAVE_EVERY seconds and when it stops. A judge that fails (or a Ctrl-C while judging) costs
     no answer and no verdict received: the batch is saved unjudged; a rerun judges what lacks a stamp.
     """
     ids = [q.id for q in qa]
@@ -252,11 +256,20 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
         # judged it, so it counts as stale too: one request per question, not a silent mix of judges.
         stale = [log.done[k] for k in ((dataset, method, i) for i in ids) if k in log.done
                  and any(log.done[k].get(field) != value for field, value in judge.stamp.items())]
-        # a batch at a time, each saved: a judge that fails midway keeps the verdicts it gave
-        for start in range(0, len(stale), batch_size):
-            chunk = stale[start:start + batch_size]
-            judge.score(chunk)
-            log.replace(chunk)
+        # a batch at a time; a judge that fails midway keeps the verdicts it gave. log.replace rewrites
+        # the whole file, so verdicts are saved every SAVE_EVERY seconds, not after every batch.
+        judged, saved = [], time.monotonic()
+        try:
+            for start in range(0, len(stale), batch_size):
+                chunk = stale[start:start + batch_size]
+                judge.score(chunk)
+                judged += chunk
+                if time.monotonic() - saved > SAVE_EVERY:
+                    log.replace(judged)
+                    judged, saved = [], time.monotonic()
+        finally:
+            if judged:
+                log.replace(judged)
     with tqdm(total=len(qa), initial=len(qa) - len(todo), desc=f"{dataset} {method}", disable=not progress,
               unit="q", dynamic_ncols=True) as bar:
         for start in range(0, len(todo), batch_size):

@@ -548,6 +548,34 @@ def test_a_resume_refuses_a_rebuilt_index_or_a_changed_encoder(world, tmp_path, 
     assert got == {"e5_Flat.index": [5, faiss_file.stat().st_mtime_ns]}
 
 
+def test_an_index_alone_is_checked_with_the_corpus_it_reads(world, tmp_path):
+    """--index without --corpus reads the folder's own corpus: that file, not the default toy
+    corpus, is fingerprinted for a resume; and records scored before evaluation's cover-EM lost its
+    word cap are not mixed with today's."""
+    import os
+    import shutil
+
+    from searchlite.indexing import build_bm25_folder
+
+    corpus, index, out = tmp_path / "c.jsonl", tmp_path / "index", tmp_path / "out"
+    shutil.copy(world / "corpus.jsonl", corpus)
+    build_bm25_folder(str(corpus), str(index), progress=False)
+    args = cli(world, out, "--methods", "rag", "--data", str(world / "alpha.jsonl"), "--index", str(index))
+    del args[args.index("--corpus"):args.index("--corpus") + 2]
+    evaluate.main(args)
+    saved = json.loads((out / "run.json").read_text())
+    assert list(saved["corpus_file"]) == [str(corpus.resolve())] and saved["retriever"] == f"bm25:{corpus.resolve()}"
+    st = corpus.stat()
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(SystemExit, match=rf"other settings \(the corpus {re.escape(str(corpus.resolve()))} changed"):
+        evaluate.main(args)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    evaluate.main(args)  # as it was: resumes
+    (out / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "scoring"}))  # an older run
+    with pytest.raises(SystemExit, match=r"other settings \(scoring: None -> .cover-EM without a word cap"):
+        evaluate.main(args)
+
+
 def test_a_second_run_into_one_folder_is_refused(world, tmp_path):
     """Two runs appending to, and rewriting, one records.jsonl would lose each other's records."""
     import fcntl
