@@ -131,26 +131,36 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
 def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None) -> Path:
     """A LoRA run's checkpoint (an adapter) merged into its base model as a plain folder, for a
     loader that takes whole models only (vLLM). One cached copy per adapter folder, made again
-    when the adapter's weights change (a later checkpoint)."""
+    when the adapter (a later checkpoint) or a local base model's weights change. Processes that
+    ask at once (torchrun's ranks) take turns: one merges, the others find its copy."""
+    import fcntl
+
     from .memory import load_merged
     from .models import DTYPES
 
     src = Path(resolve_path(adapter)).resolve()
-    key = " ".join([dtype] + [stamp(f) for f in sorted(src.glob("adapter_*"))])  # config and weights
+    base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    base = Path(resolve_path(base)) if base else None  # a local folder, or a hub name (not checked)
+    inputs = sorted(src.glob("adapter_*")) + (sorted(f for p in ("*.safetensors", "*.bin") for f in base.glob(p))
+                                               if base is not None and base.is_dir() else [])
+    key = " ".join([dtype] + [stamp(f.resolve()) for f in inputs])  # adapter config and weights, base weights
     folder = cache_root(cache) / "merged" / hashlib.sha1(str(src).encode()).hexdigest()[:10]
-    if (folder / "searchlite_merged.txt").is_file() and (folder / "searchlite_merged.txt").read_text() == key:
-        return folder
-    from transformers import AutoTokenizer
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the copy is whole: no process reads a half-made one
+        if (folder / "searchlite_merged.txt").is_file() and (folder / "searchlite_merged.txt").read_text() == key:
+            return folder
+        from transformers import AutoTokenizer
 
-    print(f"merging the LoRA adapter {src} into its base model -> {folder}", file=sys.stderr)
-    model = load_merged(src, DTYPES[dtype])
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # (each torchrun rank writes its own)
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
-    (tmp / "searchlite_merged.txt").write_text(key)
-    shutil.rmtree(folder, ignore_errors=True)
-    replace_durably(tmp, folder)
+        print(f"merging the LoRA adapter {src} into its base model -> {folder}", file=sys.stderr)
+        model = load_merged(src, DTYPES[dtype])
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a merge that died
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+        (tmp / "searchlite_merged.txt").write_text(key)
+        shutil.rmtree(folder, ignore_errors=True)
+        replace_durably(tmp, folder)
     return folder
 
 

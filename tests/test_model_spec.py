@@ -2,6 +2,7 @@
 
 import html
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -98,6 +99,8 @@ def test_the_view_shows_a_train_py_run_as_it_was_trained(tmp_path, monkeypatch):
 def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeypatch, capsys):
     """vLLM loads whole models: a LoRA run's checkpoint is merged into its base, cached, and merged
     again only when the adapter changes."""
+    from pathlib import Path
+
     import torch
     from safetensors.torch import load_file
 
@@ -134,4 +137,11 @@ def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeyp
     again = merged_weights(folder)
     assert not torch.equal(again["model.layers.0.self_attn.q_proj.weight"],
                            got["model.layers.0.self_attn.q_proj.weight"])
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no second copy, no leftover tmp
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name, folder.name + ".lock"]  # no 2nd copy
+    weights = Path(tiny_model) / "model.safetensors"  # the base retrained in place: merged again
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        assert model_spec.merged_folder(str(adapter)) == folder and capsys.readouterr().err.count("merging") == 1
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
