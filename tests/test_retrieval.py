@@ -378,7 +378,7 @@ def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
     --corpus naming another still wins; a FAISS file is only for a dense retriever."""
     from types import SimpleNamespace
 
-    from searchlite.config import Config, resolve_path
+    from searchlite.config import TOY_DIR, Config
     from searchlite.indexing import build_bm25_folder
 
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
@@ -387,7 +387,7 @@ def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
                           index=str(tmp_path / "idx"), retriever_url="", topk=3)
     assert config_retriever(cfg).search(["what causes ocean tides"], 1)[0][0].id == "v8"
     with pytest.raises(ValueError, match="built over a different corpus"):  # the toy corpus, named on purpose
-        config_retriever(SimpleNamespace(**{**vars(cfg), "corpus": resolve_path(Config.corpus)}))
+        config_retriever(SimpleNamespace(**{**vars(cfg), "corpus": str(TOY_DIR / "corpus.jsonl")}))
     (tmp_path / "e5_Flat.index").write_bytes(b"\0")
     with pytest.raises(ValueError, match="FAISS file .* needs retriever kind 'dense'"):
         config_retriever(SimpleNamespace(**{**vars(cfg), "index": str(tmp_path / "e5_Flat.index")}))
