@@ -231,12 +231,15 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
                    "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
                    "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
-                 "sft_lr", "sft_batch_size", "weight_decay", "grad_clip", "grad_checkpointing")  # what stage 1 reads
+                 "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
+                 "grad_checkpointing")  # what stage 1 reads
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>-<algo>",
     "batch_size": "questions per rejection-sampling round (each round is appended to rejection_sampling.jsonl)",
     "group": "trajectories sampled per question; the correct, well-formed ones are kept",
+    "micro_batch_size": "trajectories per SFT forward/backward (gradient accumulation within --sft_batch_size); "
+                        "0 = the whole batch at once",
 }
 
 
@@ -428,7 +431,8 @@ def stage1(cfg) -> Path:
                title="stage 1: kept trajectories", limit=16)
     with GracefulStop() as stop:  # Ctrl-C: the SFT step finishes and its state is saved (also at each epoch's end)
         losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
-                     lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, weight_decay=cfg.weight_decay,
+                     lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.micro_batch_size,
+                     weight_decay=cfg.weight_decay,
                      grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
     stop.exit_if_requested(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: "
                            "rerun the same command with --resume to continue")

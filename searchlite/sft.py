@@ -8,8 +8,9 @@ never to reproduce retrieved passages (R1-Searcher++ §4.1, its SFT loss masks e
 knowledge). Used for the toy world's warm start (searchlite.warmstart) and for R1-Searcher++
 stage 1 on rejection-sampled trajectories. Batches are rows of a right-padded (N, T)
 tensor, shuffled by a seeded generator, grouped by length within pools of 64 batches (so
-little compute goes to padding) and cut to their longest row. AdamW with linear
-warm-up and cosine decay. Left out on purpose: packing, LoRA (see memory.py).
+little compute goes to padding) and cut to their longest row; `micro_batch_size` splits a
+batch into forward/backward passes (gradient accumulation) with the same loss. AdamW with
+linear warm-up and cosine decay. Left out on purpose: packing, LoRA (see memory.py).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from .losses import token_logprobs
 from .models import rng_state, set_rng_state
 
 
-def sft_loss(model, input_ids, loss_mask, attention_mask=None) -> torch.Tensor:
-    """Mean NLL over loss_mask tokens of one batch; input_ids/loss_mask (B, T)."""
+def sft_loss(model, input_ids, loss_mask, attention_mask=None, tokens: float | None = None) -> torch.Tensor:
+    """Mean NLL over loss_mask tokens of one batch; input_ids/loss_mask (B, T). `tokens`: divide
+    the sum by this count instead (a micro-batch's share of its whole batch's mean)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     logp = token_logprobs(logits, input_ids)  # (B, T)
     mask = loss_mask.float()
-    return -(logp * mask).sum() / mask.sum().clamp(min=1.0)
+    return -(logp * mask).sum() / (mask.sum().clamp(min=1.0) if tokens is None else tokens)
 
 
 def length_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator, pool: int = 64) -> list:
@@ -46,8 +48,9 @@ def length_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator,
 
 
 def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr: float = 1e-3,
-        batch_size: int = 32, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0,
-        progress: bool = True, state_path=None, stop=None, run: dict | None = None) -> list[float]:
+        batch_size: int = 32, micro_batch_size: int = 0, warmup: int = 20, weight_decay: float = 0.0,
+        grad_clip: float = 1.0, seed: int = 0, progress: bool = True, state_path=None, stop=None,
+        run: dict | None = None) -> list[float]:
     """Train `model` in place on the (N, T) rows; returns the loss of every step so far.
 
     With `state_path`, the training state (weights, optimizer, schedule, step, losses, RNG) is
@@ -56,14 +59,18 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
     after its last step, and ends as an uninterrupted call would. `run`: the caller's settings
     that a resume must share too (flags that change the rows or the result), checked with sft's own."""
     n = input_ids.shape[0]
+    if n == 0:
+        raise ValueError("sft: no rows to train on")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if (attention_mask[:, 1:] > attention_mask[:, :-1]).any():  # a row cut to its batch's width would lose its end
+        raise ValueError("sft: rows must be right-padded (attention_mask 1s, then 0s); left-padded rows were given")
     lengths = attention_mask.sum(1)  # (N,)
     device = next(model.parameters()).device
     steps = epochs * math.ceil(n / batch_size)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator().manual_seed(seed)
     settings = dict(rows=n, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup, weight_decay=weight_decay,
                     grad_clip=grad_clip, seed=seed, **(run or {}))  # a resume must continue the same run
@@ -78,10 +85,14 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
         for step, rows in enumerate(batches, epoch * len(batches)):
             if step < done:
                 continue
-            width = int(lengths[rows].max())
-            ids = input_ids[rows, :width].to(device)
-            loss = sft_loss(model, ids, loss_mask[rows, :width].to(device), attention_mask[rows, :width].to(device))
-            loss.backward()
+            tokens = float(loss_mask[rows].sum().clamp(min=1))  # the batch's: each micro-batch adds its share
+            loss = 0.0
+            for part in torch.split(rows, micro_batch_size or len(rows)):
+                width = int(lengths[part].max())
+                part_loss = sft_loss(model, input_ids[part, :width].to(device), loss_mask[part, :width].to(device),
+                                     attention_mask[part, :width].to(device), tokens)
+                part_loss.backward()
+                loss += part_loss.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             opt.step()
             sched.step()

@@ -75,3 +75,51 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
     sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-2, **kw)
     with pytest.raises(ConfigError, match=r"s.pt: saved by a run with lr = 0.01, this one has lr = 0.001; resume with"):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw)
+
+
+def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch):
+    """micro_batch_size splits each SFT step into forward/backward passes; each adds its tokens'
+    share of the whole batch's mean NLL, so every step's loss and gradient are the ones without it."""
+    from conftest import make_tiny_llama
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 5, 6, 2]
+    ids = torch.zeros(5, 7, dtype=torch.long)
+    attn, mask = torch.zeros(5, 7, dtype=torch.long), torch.zeros(5, 7, dtype=torch.long)
+    for i, k in enumerate(lengths):  # right-padded rows, the first token of each (the prompt) untrained
+        ids[i, :k] = torch.randint(3, 200, (k,), generator=g)
+        attn[i, :k], mask[i, 1:k] = 1, 1
+    import searchlite.sft as sft_module
+
+    real_clip, real_loss = torch.nn.utils.clip_grad_norm_, sft_module.sft_loss
+    runs = []
+    for micro in (0, 2):
+        grads, passes = [], []  # each step's gradient, as the optimizer gets it; rows per forward pass
+        monkeypatch.setattr(sft_module, "sft_loss", lambda m, ids, *a: passes.append(len(ids)) or real_loss(m, ids, *a))
+
+        def clip(params, *a, **k):
+            params = list(params)
+            grads.append([p.grad.clone() for p in params])
+            return real_clip(params, *a, **k)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+        model = make_tiny_llama(byte_tokenizer, seed=3)
+        losses = sft(model, ids, mask, attention_mask=attn, epochs=2, lr=0.0, batch_size=5, micro_batch_size=micro,
+                     warmup=1, progress=False)  # lr 0: both runs take their steps from the same weights
+        assert passes == ([5, 5] if micro == 0 else [2, 2, 1] * 2)
+        runs.append((losses, grads))
+    (l0, g0), (l2, g2) = runs
+    assert len(l0) == len(g0) == 2 and l0 == pytest.approx(l2, rel=1e-6)
+    for step0, step2 in zip(g0, g2):
+        for a, b in zip(step0, step2):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_left_padded_rows_are_refused(byte_tokenizer):
+    """sft cuts each batch to its longest row from the left: a left-padded row would lose its end."""
+    from conftest import make_tiny_llama
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="right-padded"):
+        sft(make_tiny_llama(byte_tokenizer), ids, torch.tensor([[0, 0, 1, 1, 1, 1]]),
+            attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]), progress=False)
