@@ -69,6 +69,10 @@ def _open(path, mode: str, gz: bool):
     return gzip.open(path, mode) if gz else open(path, mode)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     """One JSONL line as a dict; None for a blank line; `DataError` naming the line otherwise."""
     try:
@@ -80,11 +84,13 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         why = ("the line ends before its JSON does (cut off?)" if e.pos >= len(line.rstrip())
                else f"{e.msg} (column {e.colno})")
         raise DataError(f"{path}:{line_no}: bad JSON: {why}") from None
+    except ValueError as e:  # NaN / Infinity (not JSON), an integer past Python's digit limit
+        raise DataError(f"{path}:{line_no}: bad JSON: {e}") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -137,6 +143,7 @@ def split_contents(contents: str) -> tuple[str, str]:
     if "\n" not in contents:
         return "", contents
     title, text = contents.split("\n", 1)
+    title = title.removesuffix("\r")  # a corpus written with Windows line ends inside contents
     if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
         title = title[1:-1]
     return title, text

@@ -86,6 +86,8 @@ GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]})
     (read_qa, GOOD_Q, '{"id": "2", "question": ["q?"], "answer": "a"}', "'question' must be a string"),
     (read_qa, GOOD_Q, '{"id": "2", "question": "  ", "answer": "a"}', "'question' is empty"),
     (read_qa, GOOD_Q, '{"id": null, "question": "q?", "answer": "a"}', "'id' must be"),
+    (read_qa, GOOD_Q, '{"id": "2", "question": "q?", "answer": "a", "score": NaN}', "NaN is not a JSON value"),
+    (read_corpus, GOOD_C, '{"id": "2", "contents": "x", "n": ' + "9" * 5000 + "}", "bad JSON: Exceeds the limit"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, reader, good, bad, words):
     # good line, a blank line (still counted), then the bad one on line 3
@@ -94,6 +96,11 @@ def test_malformed_line_names_file_and_line(tmp_path, reader, good, bad, words):
         reader(p)
     assert str(e.value).startswith(f"{p}:3: "), str(e.value)
     assert words in str(e.value)
+
+
+def test_a_windows_line_end_inside_contents_leaves_the_title_clean(tmp_path):
+    p = _write_lines(tmp_path / "c.jsonl", [json.dumps({"id": "1", "contents": '"Paris"\r\nThe capital.'})])
+    assert [(x.title, x.text) for x in read_corpus(p)] == [("Paris", "The capital.")]
 
 
 def test_invalid_utf8_names_line(tmp_path):
