@@ -235,3 +235,18 @@ def test_shipped_files_are_a_fresh_build_with_seed_0(tmp_path, capsys):
     assert set(fresh) == set(FILES)
     for name in FILES:
         assert shipped.get(name) == fresh[name], f"{name} differs: rebuild with python -m searchlite.toyworld build"
+
+
+def test_another_seed_does_not_overwrite_the_shipped_world(capsys):
+    """The shipped model learned seed 0's world: another seed into the default folder is refused
+    (by warmstart too), before anything is written; with --out it goes there."""
+    from searchlite import toyworld, warmstart
+    from searchlite.config import TOY_DIR
+
+    before = {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()}
+    for run in (lambda: toyworld.main(["build", "--seed", "1"]), lambda: warmstart.main(["--seed", "1"])):
+        with pytest.raises(SystemExit):
+            run()
+        err = capsys.readouterr().err
+        assert "--seed 1 would" in err and "(seed 0)" in err and err.rstrip().endswith("give --out a folder of its own")
+    assert {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()} == before
