@@ -75,6 +75,10 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
     sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-2, **kw)
     with pytest.raises(ConfigError, match=r"s.pt: saved by a run with lr = 0.01, this one has lr = 0.001; resume with"):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw)
+    other = ids.clone()
+    other[0, 1] += 1  # the same number of rows, other data
+    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with data = \w+, this one has data = \w+"):
+        sft(make_tiny_llama(byte_tokenizer), other, mask, lr=1e-2, **kw)
 
 
 def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch):
