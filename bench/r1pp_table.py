@@ -5,9 +5,9 @@
 
 For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
 evaluation (the first is the model the run starts from: stage 1's, or the warm start's for
-`r1pp-searchonly`; `step` says how far a run got), by question type, and the rewrites L_M kept over the run. From each run's eval/ records:
-which hops it answered without their passage, split by what it could know (`hop_sources`), and
-the EM of questions answered with no search against those searched (`recall_vs_search`).
+`r1pp-searchonly`; `step` says how far a run got), by question type, and the rewrites L_M kept
+over the run. From each run's eval/ records: which hops it answered without their passage,
+split by what it could know (`hop_sources`), and the EM of questions answered with no search against those searched (`recall_vs_search`).
 Then, from the test questions alone, the fewest retrievals a policy could make and still answer
 every question: one per hop, except that it answers from memory (a) questions whose every hop
 is about a famous entity, which the toy world's warm start teaches (toyworld.py; stage 1's

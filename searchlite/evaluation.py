@@ -18,9 +18,10 @@ first line it wrote, less an `<answer>` that opens it (direct, rag), or what fol
 
 Per question (rewards.py): `em`, `f1`, `cover_em` (R1-Searcher++'s ACC_R: a gold answer within
 the prediction, however long; the training reward's 10-word cap is not applied), `searches`
-(retrieval calls, R1-Searcher++'s RC), `answered` (an answer was produced), `length` (words in the answer, 0 without one) and,
-with a judge (judge.py), `judge` (R1-Searcher++'s LasJ). `summarize` averages them over all
-questions and per question type (`meta["type"]`, e.g. the toy world's 1hop / 2hop).
+(retrieval calls, R1-Searcher++'s RC), `answered` (an answer was produced), `length` (words in
+the answer, 0 without one) and, with a judge (judge.py), `judge` (R1-Searcher++'s LasJ).
+`summarize` averages them over all questions and per question type (`meta["type"]`, e.g. the
+toy world's 1hop / 2hop).
 
 Resume: `RecordLog` appends each finished batch of records to a JSONL file, flushed and
 fsynced, keyed by (dataset, method, question id); `evaluate_set` skips keys already there.
@@ -243,8 +244,9 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
     `run(chunk)` returns the chunk's records (e.g. a `run_batch` partial); each batch is
     judged (if `judge`) and appended to `log` before the next starts. Records in `log` whose
     judge stamp differs from `judge.stamp` (model, URL, max_tokens, prompt) are judged again,
-    `batch_size` at a time, saved every SAVE_EVERY seconds and when it stops. A judge that fails (or a Ctrl-C while judging) costs
-    no answer and no verdict received: the batch is saved unjudged; a rerun judges what lacks a stamp.
+    `batch_size` at a time, saved every SAVE_EVERY seconds and when it stops. A judge that fails
+    (or a Ctrl-C while judging) costs no answer and no verdict received: the batch is saved
+    unjudged; a rerun judges what lacks a stamp.
     """
     ids = [q.id for q in qa]
     if len(set(ids)) != len(ids):

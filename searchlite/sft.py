@@ -74,8 +74,8 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
         opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator().manual_seed(seed)
     rows = hashlib.sha1(input_ids.cpu().numpy().tobytes() + loss_mask.cpu().numpy().tobytes()).hexdigest()[:16]
-    settings = dict(rows=n, data=rows, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup,
-                    weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, **(run or {}))  # a resume continues one run
+    settings = dict(rows=n, data=rows, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup,  # a resume
+                    weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, **(run or {}))  # continues one run
     losses = []
     if state_path is not None and Path(state_path).exists():
         losses = load_state(state_path, model, opt, sched, settings)
