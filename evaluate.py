@@ -57,7 +57,6 @@ DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
 WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files, fingerprinted for resume
 FINGERPRINTS = ("model_files", "corpus_file", "data_sha256", "index_files", "encoder_files")  # older runs lack them
-INDEX_SETTINGS = ("bm25.json", "dense.json")  # an index folder's settings, fingerprinted by their text
 
 
 class EvalError(Exception):
@@ -181,11 +180,14 @@ def index_files(index: Path) -> dict | None:
     """An index folder's settings file by its text and its other files by size and mtime_ns, or
     a FAISS file (Search-R1's e5_Flat.index) by its own. corpus_offsets.npz is left out: a cache
     of the corpus's line scan (the corpus has its own fingerprint) that loading may rewrite."""
+    from searchlite.retrieval import KIND_FILES
+
     if index.is_file():
         return {index.name: stat_key(index)}
     if not index.is_dir():
         return None
-    return {f.name: f.read_text() if f.name in INDEX_SETTINGS else stat_key(f)
+    settings = {f"{kind}.json" for kind in KIND_FILES}  # an index folder's settings: fingerprinted by their text
+    return {f.name: f.read_text() if f.name in settings else stat_key(f)
             for f in sorted(index.iterdir()) if f.is_file() and f.name != "corpus_offsets.npz"}
 
 

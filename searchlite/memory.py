@@ -186,13 +186,18 @@ class LoRAReference:
         return getattr(self.policy, name)
 
 
+def adapter_base(adapter_dir: str | Path) -> str:
+    """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it ("" if none)."""
+    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+
+
 def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
     """A LoRA checkpoint folder as one plain model: its base (`base`, or the path the adapter was
     trained on) with the adapter merged into the weights."""
     from transformers import AutoModelForCausalLM
 
     adapter_dir = Path(adapter_dir)
-    base = base or json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
+    base = base or adapter_base(adapter_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(resolve_path(base), dtype=dtype)
     except OSError as e:

@@ -135,11 +135,11 @@ def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None
     ask at once (torchrun's ranks) take turns: one merges, the others find its copy."""
     import fcntl
 
-    from .memory import load_merged
+    from .memory import adapter_base, load_merged
     from .models import DTYPES
 
     src = Path(resolve_path(adapter)).resolve()
-    base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    base = adapter_base(src)
     base = Path(resolve_path(base)) if base else None  # a local folder, or a hub name (not checked)
     inputs = sorted(src.glob("adapter_*")) + (sorted(f for p in ("*.safetensors", "*.bin") for f in base.glob(p))
                                                if base is not None and base.is_dir() else [])
