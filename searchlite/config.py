@@ -115,7 +115,7 @@ class Config:
     cold_start_sampler: str = "policy"  # stage 1 (python -m searchlite.r1pp stage1): policy (the model) | teacher (toy world)
     sft_questions: int = 0  # stage 1: train questions to rejection-sample, `group` samples each; 0 = all
     sft_epochs: int = 1  # stage 1: SFT passes over the kept trajectories
-    sft_lr: float = 1e-5  # stage 1: SFT peak learning rate (warm-up, then cosine decay)
+    sft_lr: float = 1e-5  # stage 1: SFT peak learning rate (linear warm-up times a cosine decay from step 0)
     sft_batch_size: int = 32  # stage 1: trajectories per SFT step
     sft_rewrites: int = 0  # stage 1, teacher only: rewrite demonstrations added to the SFT data (r1pp.rewrite_demos)
     # --- logging and evaluation

@@ -9,8 +9,10 @@ knowledge). Used for the toy world's warm start (searchlite.warmstart) and for R
 stage 1 on rejection-sampled trajectories. Batches are rows of a right-padded (N, T)
 tensor, shuffled by a seeded generator, grouped by length within pools of 64 batches (so
 little compute goes to padding) and cut to their longest row; `micro_batch_size` splits a
-batch into forward/backward passes (gradient accumulation) with the same loss. AdamW with
-linear warm-up and cosine decay. Left out on purpose: packing, LoRA (see memory.py).
+batch into forward/backward passes (gradient accumulation) with the same loss. AdamW; its
+learning rate is a linear warm-up times a cosine decay that starts at step 0 (not after the
+warm-up): with warm-up 20, a 3,000-step run peaks at 0.9999 x lr, a 40-step run at 0.56 x lr.
+Left out on purpose: packing, LoRA (see memory.py).
 """
 
 from __future__ import annotations
