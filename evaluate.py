@@ -272,6 +272,20 @@ def warn_no_verdict(records: list[dict], path: Path) -> None:
               "a larger --judge_max_tokens)", file=sys.stderr)
 
 
+def drop_mixed_judges(results: dict, records: list[dict], path: Path) -> None:
+    """Leave LasJ out of `results` (in place) when its records were judged by more than one judge
+    setup, as when a re-judge was interrupted and the rerun had no --judge_url: one mean of two
+    judges' verdicts would read as one judge's."""
+    setups = {r.get("judge_setup") for r in records if "judge" in r}
+    if len(setups) > 1:
+        print(f"note: {path} holds verdicts from {len(setups)} judge setups; LasJ is left out "
+              "(rerun with one --judge_url to judge them all alike)", file=sys.stderr)
+        for per_method in results.values():
+            for summary in per_method.values():
+                for metrics in summary.values():
+                    metrics.pop("judge", None)
+
+
 def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
     write_durably(out / "results.json", lambda f: f.write(json.dumps(payload, indent=1, ensure_ascii=False)), "w")
@@ -423,8 +437,10 @@ def evaluate(args, held: ExitStack) -> dict:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"
         sys.exit(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; "
                  "rerun the same command to continue.")
+    every = [r for per_method in records.values() for recs in per_method.values() for r in recs]
     if judge is not None:
-        warn_no_verdict([r for per_method in records.values() for recs in per_method.values() for r in recs], log.path)
+        warn_no_verdict(every, log.path)
+    drop_mixed_judges(results, every, log.path)
     avg = average(results) if len(results) > 1 else {}
     text = table(results, avg)
     write_results(out, setup, results, avg, records, text)

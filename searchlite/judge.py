@@ -10,10 +10,12 @@ The prompt is a file with `{question}`, `{golden_answers}` and `{prediction}` pl
 (default: searchlite/templates/judge.txt; pass `prompt=` to replace it). Requests are
 `POST {url}/chat/completions` with temperature 0 and `max_tokens` (a reasoning model needs
 room to close its </think>), run `workers` at a time; connection errors, timeouts, 429 and
-5xx are retried with exponential backoff. `verdict` reads a reply (its rule is there); a reply
-without a verdict scores 0.0 and stays in `judge_reply` to read. A question without a
-prediction is 0.0 without asking. Each judged record carries `judge.stamp`: the model name and
-a hash of the URL, max_tokens and prompt, so a verdict from another judge setup can be told apart.
+5xx are retried with exponential backoff; a request refused for what one prediction holds
+(400, 413, 422) scores it 0.0 with "ERROR: ..." as its reply. `verdict` reads a reply (its
+rule is there); a reply without a verdict scores 0.0 and stays in `judge_reply` to read. A
+question without a prediction is 0.0 without asking. Each judged record carries
+`judge.stamp`: the model name and a hash of the URL, max_tokens, prompt and `verdict`'s rule
+version, so a verdict from another judge setup can be told apart.
 The API key is read from the environment variable `key_env` (default OPENAI_API_KEY), if set.
 Left out on purpose: streaming, logprob-based scores, and batching many questions per request.
 """
@@ -33,47 +35,63 @@ from pathlib import Path
 
 from .protocol import TEMPLATE_DIR
 
-# verdict()'s readings; a "not" before the word flips it ("Not true.", "isn't true", "Not correct")
+# verdict()'s readings. A "not" (or "cannot be") before the word flips it ("Not true.", "isn't
+# true", "**Not** correct"); "true" before answer/gold/value is a noun phrase, not a verdict.
+VERDICT_RULE = "2"  # in Judge.stamp: a change of rule re-judges the stored replies' records
+_NOT = r"((?:\bnot|n't|\bcannot\s+be)[\s*_]+)?"
+_WORD = r"\b(true|false)\b(?![\s*_]+(?:answer|gold|value)s?\b)"
 # an echoed label before the verdict: "True/False:", "True or False?", "[False|True] -", ...
 _LABEL = re.compile(r"\W*(?:true\s*(?:/|\||\bor\b)\s*false|false\s*(?:/|\||\bor\b)\s*true)\b\W*", re.I)
-_LEAD = re.compile(r"\W*(not\s+)?(true|false)\b", re.I)
-_TRUE_FALSE = re.compile(r"((?:\bnot|n't)\s+)?\b(true|false)\b", re.I)
-_FIRST_WORD = re.compile(r"\W*(not\s+)?(correct|right|yes|incorrect|wrong|no)\b", re.I)
+_LEAD = re.compile(r"\W*" + _NOT + _WORD, re.I)
+_TRUE_FALSE = re.compile(_NOT + _WORD, re.I)
+_FIRST_WORD = re.compile(r"\W*" + _NOT + r"\b(correct|right|yes|incorrect|wrong|no)\b", re.I)
+_OPENING_WORD = re.compile(_FIRST_WORD.pattern + r"(?=[\s*_]*(?:[.,:;!)\n]|$))", re.I)  # "No." not "No doubt"
 
 
 class JudgeError(RuntimeError):
-    """The judge endpoint failed or answered something that is not a chat completion."""
+    """The judge endpoint failed or answered something that is not a chat completion; `status`
+    is the HTTP status of a refused request (None otherwise)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+REFUSED_RECORD = (400, 413, 422)  # a request refused for what one prediction holds (length, a content filter)
 
 
 def verdict(reply: str) -> bool | None:
     """The judge's verdict in `reply`, None when it gives none.
 
     The answer is what follows the reasoning's </think> (its <think> may have been in the
-    prompt); a reply still inside <think> has no answer. An answer that opens with "true" or
-    "false" (after an echoed "True/False:" label) is that verdict, whatever an explanation after
-    it says; otherwise the verdict is its last "true" or "false", where a judge that explains
-    first ends. A "not" before the word flips it. Only the prompt's words count there ("False.
-    The correct answer is Lyon" is False). An answer with neither is read by its first word:
-    correct, right, yes (True); incorrect, wrong, no (False).
+    prompt); a reply still inside <think> has no answer. An answer that opens with a verdict
+    word (after an echoed "True/False:" label) is that verdict, whatever an explanation after it
+    says: "true" or "false", or correct, right, yes (True) or incorrect, wrong, no (False) standing
+    alone ("No." or "Incorrect, the true answer is Lyon", not "No doubt" or "Correct answer is").
+    Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
+    and failing that its first word. A "not" before the word flips it, and "true" before
+    answer, gold or value is no verdict. Only the prompt's words count there ("False. The
+    correct answer is Lyon" is False).
 
     >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
     (True, False, False, True)
     >>> verdict("True. Saying they differ would be false."), verdict("They are the same city, so True")
     (True, True)
+    >>> verdict("Incorrect. The true answer is Lyon."), verdict("No. True answer: Paris"), verdict("**Not** true")
+    (False, False, False)
     >>> verdict("<think>Lyon is not Paris.</think> False"), verdict("<think>Okay, let me"), verdict("Hmm")
     (False, None, None)
     """
     answer = (reply or "").rsplit("</think>", 1)[-1].split("<think>", 1)[0]
     answer = answer[_LABEL.match(answer).end():] if _LABEL.match(answer) else answer
-    last = _LEAD.match(answer)
-    for last in [] if last else _TRUE_FALSE.finditer(answer):
-        pass
-    if last:
-        return (last.group(2).lower() == "true") != bool(last.group(1))
-    first = _FIRST_WORD.match(answer)
-    if first:
-        return (first.group(2).lower() in ("correct", "right", "yes")) != bool(first.group(1))
-    return None
+    found = _LEAD.match(answer) or _OPENING_WORD.match(answer)
+    if not found:
+        for found in _TRUE_FALSE.finditer(answer):  # the last one: an explanation ends with it
+            pass
+    found = found or _FIRST_WORD.match(answer)
+    if not found:
+        return None
+    return (found.group(2).lower() in ("true", "correct", "right", "yes")) != bool(found.group(1))
 
 
 def no_verdict(records: list[dict]) -> list[dict]:
@@ -96,7 +114,7 @@ class Judge:
         self.workers, self.max_tokens = workers, max_tokens
         # what a verdict depends on besides the question: another endpoint serving the same model
         # name, another prompt or a cut-off reply can judge otherwise (evaluation.py re-judges on change)
-        setup = f"{self.url}\n{max_tokens}\n{self.template}"
+        setup = f"{self.url}\n{max_tokens}\n{self.template}\n{VERDICT_RULE}"  # and how a reply is read
         self.stamp = {"judge_model": model, "judge_setup": hashlib.sha1(setup.encode()).hexdigest()[:12]}
 
     def prompt(self, question: str, golds: list[str], prediction: str) -> str:
@@ -109,7 +127,7 @@ class Judge:
                            "temperature": 0, "max_tokens": self.max_tokens}).encode("utf-8")
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.key}"} if self.key else {})
         retries = self.retries if retries is None else retries
-        cause = None
+        cause, status = None, None
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -118,7 +136,7 @@ class Judge:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     raw = resp.read()
             except urllib.error.HTTPError as e:
-                cause = f"HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace')}"
+                cause, status = f"HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace')}", e.code
                 if e.code < 500 and e.code != 429:
                     break  # a bad request, key or model name: retrying will not help
                 continue
@@ -129,7 +147,7 @@ class Judge:
                 return json.loads(raw)["choices"][0]["message"]["content"] or ""
             except (ValueError, KeyError, IndexError, TypeError):
                 raise JudgeError(f"judge endpoint {self.url} sent no chat completion: {raw[:200]!r}") from None
-        raise JudgeError(f"judge endpoint {self.url} does not answer ({attempt + 1} attempt(s)): {cause}")
+        raise JudgeError(f"judge endpoint {self.url} does not answer ({attempt + 1} attempt(s)): {cause}", status)
 
     def check(self) -> None:
         """A right and a wrong answer to one easy question, no retries: a wrong URL fails at once,
@@ -146,10 +164,18 @@ class Judge:
                                  f"{got}: {reply[:200]!r} (asked whether 1 + 1 = {prediction}); check its prompt")
 
     def judge(self, question: str, golds: list[str], prediction: str | None) -> tuple[float, str]:
-        """(1.0 or 0.0, the raw reply) for one prediction; a reply without a verdict is 0.0."""
+        """(1.0 or 0.0, the raw reply) for one prediction; a reply without a verdict is 0.0. A
+        request the endpoint refuses for its content (HTTP 400, 413, 422: a prediction past the
+        judge's context, a content filter; `check` has passed the same request shape) is 0.0 with
+        "ERROR: ..." as its reply, so one such record does not stop every rerun."""
         if prediction is None:
             return 0.0, ""
-        reply = self.ask(self.prompt(question, golds, prediction))
+        try:
+            reply = self.ask(self.prompt(question, golds, prediction))
+        except JudgeError as e:
+            if e.status not in REFUSED_RECORD:
+                raise
+            return 0.0, f"ERROR: {e}"
         return float(verdict(reply) is True), reply
 
     def score(self, records: list[dict]) -> None:

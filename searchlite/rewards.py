@@ -95,10 +95,15 @@ def f1_score(pred: str | None, golds: list[str]) -> float:
 def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None = 10) -> float:
     """R1-Searcher++ answer reward: a normalised gold occurs in the normalised prediction.
 
-    The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"; R1-Searcher's
-    code calls this `cover_exact_match_score_2`, and its `_1`, which takes the gold's words in any
-    order and place, would also cover "Eiffel Tower" with "tower of eiffel"; the paper does not say
-    which it used), and the prediction may have at most `max_words` whitespace-separated words, counted
+    The gold must appear as a whole-word sequence ("paris" is not covered by "parisian"). That is
+    stricter than R1-Searcher's code (R1-Searcher++ released none; the paper does not say which
+    variant it used): its `cover_exact_match_score_2` looks for the word sequence and then falls
+    back to a plain substring of the normalised text, so "parisian" covers "paris" and "1990s"
+    covers "1990" there, as in Search-R1's `subem_check`; its `_1` takes the gold's words in any
+    order and place ("tower of eiffel" covers "Eiffel Tower"); and its normalisation turns
+    punctuation into spaces where ours (Search-R1's, SQuAD's) deletes it ("jean-paul" is
+    "jeanpaul" here, "jean paul" there). A substring reward would pay a policy for a longer word
+    that holds the answer. The prediction may have at most `max_words` whitespace-separated words, counted
     on the raw prediction as the model wrote it — otherwise 0.0, so the policy cannot win
     by listing candidates (R1-Searcher++ §4.2.1, the training reward). `max_words=None` is the
     evaluation metric (ACC_R, §5.1), which has no such cap. Golds that normalise to "" never match.

@@ -16,7 +16,7 @@ import evaluate
 from searchlite.data import QA, DataError
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
                                    summarize)
-from searchlite.judge import Judge, JudgeError, verdict
+from searchlite.judge import Judge, JudgeError, no_verdict, verdict
 from searchlite.protocol import get_protocol
 
 P = get_protocol("search_r1")
@@ -721,14 +721,15 @@ class JudgeHandler(JSONHandler):
 
     seen: list = []
     answer = staticmethod(lambda ok, prompt: "True" if ok else "False.")
-    fail = staticmethod(lambda prompt: False)  # True: reply 503, as an overloaded server does
+    fail = staticmethod(lambda prompt: False)  # True: reply 503, as an overloaded server does; or a status
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         text = body["messages"][0]["content"]
         JudgeHandler.seen.append((self.path, body, self.headers.get("Authorization")))
-        if self.fail(text):
-            return self.send_json(503, {"error": "overloaded"})
+        status = self.fail(text)
+        if status:
+            return self.send_json(503 if status is True else status, {"error": "refused"})
         gold = re.search(r"Gold answer: (.*)", text)
         pred = re.search(r"Predicted answer: (.*)", text)
         ok = bool(gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | "))
@@ -762,6 +763,20 @@ def test_judge_scores_records(judge_server, monkeypatch):
     assert auth == "Bearer sk-test"
 
 
+def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judged(judge_server, monkeypatch):
+    recs = [{"question": q, "golden_answers": ["Paris"], "prediction": p} for q, p in (("q1", "paris"), ("q2", "LONG"))]
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 400 if "LONG" in prompt else False))
+    judge = Judge(judge_server, "m", backoff=0.0)
+    judge.score(recs)
+    assert [r["judge"] for r in recs] == [1.0, 0.0]
+    assert recs[1]["judge_reply"].startswith("ERROR: judge endpoint") and "HTTP 400" in recs[1]["judge_reply"]
+    assert no_verdict(recs) == [recs[1]]  # so the end-of-run warning counts it
+    assert len(JudgeHandler.seen) == 2  # a refused request is not retried
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 401 if "LONG" in prompt else False))
+    with pytest.raises(JudgeError, match="HTTP 401"):  # a key or endpoint fault still stops the run
+        judge.score(recs)
+
+
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     prompt = tmp_path / "judge.txt"
     prompt.write_text("MY PROMPT {question}\nGold answer: {golden_answers}\nPredicted answer: {prediction}\n")
@@ -783,6 +798,13 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("True\nExplanation: the claim that they differ is false.", True),  # a verdict first, then its reasons
     ("Correct answer: Lyon, so False", False),
     ("True or False? False", False), ("[True/False] - True", True), ("False/True: True", True),
+    # an opening verdict word decides, and "true answer" is a noun phrase, not a verdict
+    ("Incorrect. The true answer is Lyon.", False), ("No. True answer: Paris", False),
+    ("Incorrect. The true", False),  # a chatty reply cut at max_tokens
+    ("No, the true value differs, so True would be wrong", False), ("**Wrong**", False),
+    ("True answer: Lyon.", None), ("The true answers are Lyon and Paris", None),
+    ("No doubt about it: True", True), ("Correct answer is Paris, so True", True),  # no verdict word alone first
+    ("**Not** true", False), ("Answer: **not** True", False), ("It cannot be true.", False),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
@@ -892,6 +914,23 @@ def test_cli_with_judge(world, tmp_path, judge_server, capsys):
     assert all(r["judge_model"] == "gpt-4o-mini" for r in results["records"]["alpha"]["direct"])
     with pytest.raises(SystemExit, match="does not answer.*--judge_url"):
         evaluate.main(cli(world, tmp_path / "o2", "--judge_url", f"http://127.0.0.1:{free_port()}/v1"))
+
+
+def test_verdicts_of_two_judge_setups_are_not_averaged(world, tmp_path, judge_server, capsys):
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "direct", "--judge_url", judge_server))
+    evaluate.main(cli(world, out, "--methods", "direct"))  # a rerun without the judge keeps its verdicts
+    assert "judge" in json.loads((out / "results.json").read_text())["metrics"]["alpha"]["direct"]["all"]
+    capsys.readouterr()
+    log = out / "records.jsonl"  # as if a re-judge by another setup stopped after the first record
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    lines[0]["judge_setup"] = "another"
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    evaluate.main(cli(world, out, "--methods", "direct"))
+    metrics = json.loads((out / "results.json").read_text())["metrics"]["alpha"]["direct"]
+    assert all("judge" not in m and "em" in m for m in metrics.values())
+    assert "LasJ" not in (out / "table.md").read_text()
+    assert "verdicts from 2 judge setups; LasJ is left out" in capsys.readouterr().err
 
 
 def test_cli_judge_max_tokens_and_replies_without_a_verdict(world, tmp_path, judge_server, capsys, monkeypatch):
