@@ -98,6 +98,8 @@ def test_by_shared_fact_splits_test_questions_on_their_non_famous_hops(recall):
     # searches left per question: q1 1 -> 0, q2 0, q3 2 -> 1, q4 1
     assert recall.floor_with(test, set()) == pytest.approx(4 / 4)
     assert recall.floor_with(test, {("b", "B"), ("d", "D"), ("a", "A")}) == pytest.approx(2 / 4)
+    pair = QA("c", "?", ["X"], {"type": "comparison", "hops": [hop("x", "X"), hop("y", "Y")]})
+    assert recall.floor_with([pair], set()) == 1  # one search finds both passages of a comparison
 
 
 def test_ceiling_starts_from_the_start_model_and_trains_it(recall, byte_tokenizer, tmp_path):

@@ -40,6 +40,22 @@ def test_floors_count_one_search_per_hop_not_known(table, world):
     assert fl["famous hops"]["comparison"] == 0  # none asked
 
 
+def test_a_comparison_takes_one_search_for_both_its_hops(table, tmp_path):
+    test = [{"id": "c1", "type": "comparison", "hops": [hop("a", "A"), hop("b", "B")]},
+            {"id": "c2", "type": "comparison", "hops": [hop("c", "C", famous=True), hop("d", "D")]},
+            {"id": "c3", "type": "comparison", "hops": [hop("e", "E", famous=True), hop("f", "F", famous=True)]},
+            {"id": "h1", "type": "2hop", "hops": [hop("g", "G"), hop("h", "H")]}]  # the second hop needs the first
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"id": "t", "type": "1hop", "hops": [hop("a", "A")]}) + "\n")
+    fl = table.floors(tmp_path / "test.jsonl", tmp_path / "train.jsonl")
+    assert (fl["famous questions"]["comparison"], fl["famous hops"]["comparison"]) == (2 / 3, 2 / 3)
+    assert fl["famous+train hops"]["comparison"] == pytest.approx(2 / 3)  # c1 still looks up b: one search
+    assert fl["famous hops"]["all"] == pytest.approx((1 + 1 + 0 + 2) / 4)
+    assert table.searches_needed("comparison", ["new", "new"], ()) == 1
+    assert table.searches_needed("2hop", ["new", "new"], ()) == 2
+    assert table.searches_needed("comparison", ["famous", "train"], ("famous", "train")) == 0
+
+
 def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, world):
     records = [{"id": "q1", "em": 1.0, "docs": []},  # famous hop from memory
                {"id": "q2", "em": 0.0, "docs": [{"id": "x"}]},  # searched, missed its passage: lacks a new hop
