@@ -179,9 +179,15 @@ class Judge:
         return float(verdict(reply) is True), reply
 
     def score(self, records: list[dict]) -> None:
-        """Judge each record in place (`workers` requests at a time)."""
+        """Judge each record in place (`workers` requests at a time). A request that fails leaves
+        its record unjudged; the first failure is raised once the others have answered, so their
+        verdicts are kept."""
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
-            results = list(pool.map(lambda r: self.judge(r["question"], r["golden_answers"], r["prediction"]),
-                                    records))
-        for r, (score, reply) in zip(records, results):
-            r.update(judge=score, judge_reply=reply, **self.stamp)
+            asked = [(r, pool.submit(self.judge, r["question"], r["golden_answers"], r["prediction"])) for r in records]
+        failures = [f.exception() for _, f in asked if f.exception() is not None]
+        for r, f in asked:
+            if f.exception() is None:
+                score, reply = f.result()
+                r.update(judge=score, judge_reply=reply, **self.stamp)
+        if failures:
+            raise failures[0]
