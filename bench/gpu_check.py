@@ -49,24 +49,26 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def parse(argv=None) -> argparse.Namespace:
-    from searchlite.config import HelpFormatter
+    from searchlite.config import HelpFormatter, at_least
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 on CPU (or --device): the testable path")
     ap.add_argument("--device", default="", help="default: cuda:$LOCAL_RANK (0), or cpu with --tiny")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the policy's and the reference's weights")
-    ap.add_argument("--questions", type=int, default=8, help="toy questions in the batch (default 8; --tiny: 2)")
-    ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5; --tiny: 2)")
-    ap.add_argument("--max_new_tokens", type=int, default=128, help="tokens sampled per turn (default 128; --tiny: 8)")
+    # None: not given, so the default below (--tiny's or the full one); a flag given always wins
+    ap.add_argument("--questions", type=int, default=None, help="toy questions in the batch (default 8; --tiny: 2)")
+    ap.add_argument("--group", type=at_least(2), default=None,
+                    help="rollouts per question, at least 2: a group of 1 has zero advantages (default 5; --tiny: 2)")
+    ap.add_argument("--max_new_tokens", type=int, default=None,
+                    help="tokens sampled per turn (default 128; --tiny: 8)")
     ap.add_argument("--max_turns", type=int, default=2, help="search turns before the forced answer (default 2)")
     ap.add_argument("--micro_batch_size", type=int, default=8, help="trajectories per forward/backward (default 8)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random model's weights and of the sampling")
     args = ap.parse_args(argv)
-    if args.tiny:
-        for name, small in (("questions", 2), ("group", 2), ("max_new_tokens", 8)):
-            if getattr(args, name) == ap.get_default(name):
-                setattr(args, name, small)
+    for name, full, tiny in (("questions", 8, 2), ("group", 5, 2), ("max_new_tokens", 128, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
     return args
 
 

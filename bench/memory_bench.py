@@ -6,8 +6,9 @@
 
 Each variant is `train.py` (the [toy] preset, `--steps`, evaluation on 4 questions, 2 with
 `--model random:...`, the variant's flags) in a subprocess of its own, so no variant's memory
-shows in another's. The child reports its peak resident memory (getrusage's ru_maxrss: the
-process high-water mark, Python, torch and every model included), on a GPU the peak CUDA
+shows in another's. The child reports its peak resident memory (`VmHWM` in /proc/self/status:
+its own high-water mark since exec, Python, torch and every model included; getrusage's ru_maxrss
+would not do, as on Linux it carries the parent's peak across fork + exec), on a GPU the peak CUDA
 memory allocated, and the bytes of optimizer state. Every child imports bitsandbytes and peft
 (when installed), so the baseline of loaded libraries is the same for all.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import subprocess
@@ -49,6 +51,18 @@ RANDOM_MODEL_FLAGS = ["--batch_size", "4", "--group", "2", "--max_new_tokens", "
 
 
 # ---------------------------------------------------------------------------- child: one train.py run
+
+
+def peak_rss_bytes(status: str = "/proc/self/status") -> int:
+    """This process's peak resident memory in bytes: `VmHWM` (Linux; reset on exec, so a child's
+    own), else getrusage's ru_maxrss (macOS, where /proc is missing; Linux's ru_maxrss would include
+    the parent's peak, inherited across fork + exec)."""
+    if os.path.exists(status):
+        with open(status) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:    14916 kB"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def child(report: str, train_args: list[str]) -> None:
@@ -77,7 +91,7 @@ def child(report: str, train_args: list[str]) -> None:
     train.make_optimizer = recording
     train.main(train_args)
     out = {
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
         "opt_state_mib": sum(optimizer_state_bytes(o) for o in optimizers) / 2**20,
         "trainable": sum(p.numel() for o in optimizers for g in o.param_groups for p in g["params"]),
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,

@@ -8,7 +8,8 @@ questions whose passages it retrieved in training, so that it can later answer t
 search. The held-out test set shows this only in part: every test question has a non-famous
 fact that no training question asks (toyworld.py), so none can be answered whole from memory.
 This script asks the training questions themselves. From each run's
-config.json (seed, batch_size, steps) it recomputes the questions the run drew
+config.json (seed, batch_size) and the step its checkpoint was saved at (trainer.pt: an
+interrupted run's is short of config.json's `steps`) it recomputes the questions the run drew
 (train.batch_questions), keeps the non-famous ones (a famous question can be recalled from
 the warm start), and answers them greedily, as train.py's evaluation does, with the run's
 final policy and with its starting model; beside them, as a control, as many non-famous
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.r1pp_table import hop_kind, searches_needed  # noqa: E402
-from searchlite.config import resolve_path  # noqa: E402
+from searchlite.config import bool_arg, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 
 
@@ -68,6 +69,27 @@ def question_sets(cfg: dict, train_qa: list, limit: int) -> dict[str, list]:
     random.Random(cfg["seed"]).shuffle(rest)
     n = min(len(hit), limit or len(hit), len(rest))
     return {"drawn": [train_qa[i] for i in hit[:n]], "control": [train_qa[i] for i in rest[:n]]}
+
+
+def load_runs(runs: list[str]) -> dict[str, tuple[dict, Path]]:
+    """{run: (its config.json with "steps" set to the steps its checkpoint trained, that checkpoint)};
+    exits unless all drew the same questions: same seed, batch_size, trained steps and train_data."""
+    from searchlite.models import find_checkpoint, load_trainer_state
+
+    out = {}
+    for run in runs:
+        ckpt = find_checkpoint(run)  # train.py's last complete checkpoint: the policy answered below
+        if ckpt is None:
+            sys.exit(f"error: {run}: no checkpoint (checkpoint/trainer.pt); give train.py out_dirs")
+        cfg = json.loads((Path(run) / "config.json").read_text())
+        out[run] = cfg | {"steps": load_trainer_state(ckpt, mmap=True)["step"]}, ckpt
+    key = lambda c: (c["seed"], c["batch_size"], c["steps"], c["train_data"])  # noqa: E731
+    first = key(out[runs[0]][0])
+    bad = [run for run, (cfg, _) in out.items() if key(cfg) != first]
+    if bad:
+        sys.exit(f"error: {', '.join(bad)}: seed, batch_size, checkpoint step or train_data differ from {runs[0]}; "
+                 "runs compared here must have drawn the same questions")
+    return out
 
 
 def agent(cfg: dict) -> SimpleNamespace:
@@ -183,23 +205,20 @@ def cells(got: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", nargs="+", required=True, help="train.py out_dirs (with config.json and a checkpoint)")
+    ap.add_argument("--runs", nargs="+", required=True,
+                    help="train.py out_dirs (with config.json and a checkpoint; each at the same step)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many questions a set (0 = all drawn)")
-    ap.add_argument("--start", default="true", help="also answer with the first run's starting model (true/false)")
+    ap.add_argument("--start", type=bool_arg, default=True,
+                    help="also answer with the first run's starting model: true or false (default true)")
     ap.add_argument("--sft_epochs", default="", help="comma-separated cumulative epochs of SFT on perfect "
                     "internal-only answers to the drawn questions, from the starting model (a ceiling; '' = none)")
     args = ap.parse_args()
 
-    cfgs = {run: json.loads((Path(run) / "config.json").read_text()) for run in args.runs}
-    first = cfgs[args.runs[0]]
-    bad = [r for r, c in cfgs.items() if (c["seed"], c["batch_size"], c["steps"], c["train_data"])
-           != (first["seed"], first["batch_size"], first["steps"], first["train_data"])]
-    if bad:
-        sys.exit(f"error: {', '.join(bad)}: seed, batch_size, steps or train_data differ from {args.runs[0]}; "
-                 "runs compared here must have drawn the same questions")
+    runs = load_runs(args.runs)
+    first = runs[args.runs[0]][0]
     sets = question_sets(first, read_qa(resolve_path(first["train_data"])), args.limit)
-    models = ([("start: " + first["model"], resolve_path(first["model"]), first)] if args.start == "true" else [])
-    models += [(run, str(Path(run) / "checkpoint" / "policy"), c) for run, c in cfgs.items()]
+    models = ([("start: " + first["model"], resolve_path(first["model"]), first)] if args.start else [])
+    models += [(run, str(ckpt / "policy"), c) for run, (c, ckpt) in runs.items()]
     print(f"{len(sets['drawn'])} non-famous training questions drawn by seed {first['seed']} "
           f"({first['steps']} steps x {first['batch_size']}), {len(sets['control'])} never drawn", flush=True)
     print("| model | drawn: no search | its EM | right with no search | EM | never drawn: no search | its EM "

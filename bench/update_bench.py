@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
 import train  # noqa: E402
 from searchlite.advantages import broadcast  # noqa: E402
-from searchlite.config import parse_args, resolve_path  # noqa: E402
+from searchlite.config import at_least, parse_args, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 from searchlite.losses import token_logprobs  # noqa: E402
 from searchlite.models import load_policy, load_tokenizer  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
     ap.add_argument("--questions", type=int, default=16, help="questions in the batch (default 16)")
     ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5)")
-    ap.add_argument("--repeats", type=int, default=5, help="timings of each (default 5)")
+    ap.add_argument("--repeats", type=at_least(1), default=5, help="timings of each (default 5)")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = parse_args(["--preset", "toy", "--group", str(args.group), "--batch_size", str(args.questions),

@@ -27,6 +27,7 @@ import contextlib
 import gzip
 import json
 import os
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,9 +199,13 @@ def read_qa(path, unique_ids: bool = False) -> list[QA]:
     Blank lines are skipped; a malformed line raises `DataError`, and so does an id seen before
     when `unique_ids` (evaluation keys its records by id; a training set merged from two may
     repeat one). A missing `id` becomes `str(line_no - 1)`; fields other than
-    id/question/answers go to `QA.meta` unchanged.
+    id/question/answers go to `QA.meta` unchanged. Gold answers that normalise to "" (an article
+    or punctuation alone, e.g. blood type "A") are kept, with one warning: EM takes an empty
+    prediction as right for them, cover-EM and F1 never do.
     """
-    out, first_seen = [], {}
+    from .rewards import normalize_answer
+
+    out, first_seen, blank = [], {}, []
     for line_no, obj in _objects(path):
         qid = _id(obj, path, line_no)
         if unique_ids and qid in first_seen:
@@ -213,8 +218,13 @@ def read_qa(path, unique_ids: bool = False) -> list[QA]:
         if key is None:
             raise DataError(f"{path}:{line_no}: missing field 'golden_answers' (or 'answer')")
         answers = _answers(obj, key, path, line_no)
+        blank += [(line_no, a) for a in answers if not normalize_answer(a)]
         meta = {k: v for k, v in obj.items() if k not in ("id", "question", key)}
         out.append(QA(qid, question, answers, meta))
+    if blank:
+        warnings.warn(f"{path}: {len(blank)} gold answer(s) normalise to an empty string (line {blank[0][0]}: "
+                      f"{blank[0][1]!r}); EM takes an empty prediction as right for them, cover-EM and F1 never do",
+                      stacklevel=2)
     return out
 
 

@@ -30,11 +30,84 @@ def test_retrieval_bench_makes_local_paths_absolute_for_its_children(retrieval_b
     assert retrieval_bench.local_path(None) is None
 
 
-def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench):
-    cmd = [sys.executable, "-c", "import sys; sys.stderr.write('first\\nthe reason\\n'); sys.exit(3)"]
+def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys; sys.stderr.write('first\\nthe reason\\n'); sys.exit(3)\n")
     with pytest.raises(SystemExit) as e:
-        retrieval_bench.run_measured(cmd)
+        retrieval_bench.run_measured([sys.executable, str(script)])
     assert "exit code 3" in str(e.value) and "the reason" in str(e.value)
+
+
+def test_retrieval_bench_child_peak_rss_is_its_own_not_the_parents(retrieval_bench, tmp_path):
+    script = tmp_path / "small.py"
+    script.write_text("print('hello')\n")
+    ballast = b"\1" * (300 * 2**20)  # the parent's peak RSS: over 300 MiB; ru_maxrss would give the child as much
+    _, _, peak_gib, out = retrieval_bench.run_measured([sys.executable, str(script)])
+    assert out == "hello\n" and 0 < peak_gib * 1024 < 200 and len(ballast)
+
+
+def test_peak_rss_reads_vmhwm_and_falls_back_to_ru_maxrss(tmp_path):
+    memory_bench = load_bench("memory_bench")
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t  99999 kB\nVmHWM:\t   14916 kB\nVmRSS:\t   1000 kB\n")
+    assert memory_bench.peak_rss_bytes(str(status)) == 14916 * 1024
+    assert memory_bench.peak_rss_bytes(str(tmp_path / "missing")) > 0  # no /proc (macOS): getrusage
+
+
+def test_retrieval_bench_dense_index_folder_names_faiss_and_encoder(retrieval_bench, tmp_path):
+    corpus = tmp_path / "wiki.jsonl"
+    folder = lambda kind, enc, faiss: retrieval_bench.index_folder(tmp_path, corpus, kind, enc, faiss)  # noqa: E731
+    assert folder("bm25", "/x/enc/model", "hnsw") == tmp_path / "wiki-bm25"
+    dense = folder("dense", "/x/enc/model", "flat")
+    assert dense.name.startswith("wiki-dense-flat-model-")
+    others = {folder("dense", "/x/enc/model", "hnsw"), folder("dense", "/y/enc/model", "flat"),
+              folder("dense", "intfloat/e5-base-v2", "flat")}
+    assert dense not in others and len(others) == 3  # --reuse never takes an index built with other settings
+    assert folder("dense", "/x/enc/model", "flat") == dense
+
+
+@pytest.mark.parametrize("name", ["rollout_bench", "sampler_bench", "update_bench"])
+def test_repeats_must_be_positive(name, monkeypatch, capsys):
+    bench = load_bench(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--repeats", "0"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()  # an argparse error, before any model is loaded
+    assert e.value.code == 2 and "--repeats: must be at least 1" in capsys.readouterr().err
+
+
+def test_rollout_bench_plain_generate_matches_tokens_per_question_asked(monkeypatch, capsys):
+    """--n beyond the training set: the plain call samples the rollout's tokens per question it had."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from searchlite.data import QA
+
+    rollout_bench = load_bench("rollout_bench")
+
+    class Sampler:  # as HFSampler; records the plain call's max_new_tokens
+        plain = []
+
+        def __init__(self, model, tok, max_new_tokens, seed):
+            pass
+
+        def generate(self, prompts, stop=(), max_new_tokens=None):
+            Sampler.plain.append(max_new_tokens)
+            return [[0] * max_new_tokens for _ in prompts]
+
+    def rollout(sampler, retriever, tok, protocol, questions, **kw):  # 10 policy tokens per question
+        n = len(questions)
+        return SimpleNamespace(loss_mask=torch.ones(n, 10), turns=torch.ones(n), searches=torch.zeros(n))
+
+    monkeypatch.setattr("searchlite.data.read_qa", lambda path: [QA(f"q{i}", f"q{i}?", ["a"]) for i in range(3)])
+    monkeypatch.setattr("searchlite.models.load_tokenizer", lambda path: None)
+    monkeypatch.setattr("searchlite.models.load_policy", lambda path: None)
+    monkeypatch.setattr("searchlite.retrieval.build_retriever", lambda kind, corpus: None)
+    monkeypatch.setattr("searchlite.rollout.encode_prompt", lambda tok, protocol, q: [1, 2])
+    monkeypatch.setattr("searchlite.rollout.rollout", rollout)
+    monkeypatch.setattr("searchlite.sampler.HFSampler", Sampler)
+    rollout_bench.rollout_efficiency("m", n=80, repeats=1, seed=0)  # 80 asked, 3 in the training set
+    assert Sampler.plain == [10, 10] and "3 trajectories" in capsys.readouterr().out
 
 
 def test_rollout_bench_missing_realqa_is_a_one_line_error(monkeypatch, tmp_path, capsys):

@@ -63,7 +63,7 @@ def test_qa_golden_answers_and_answer_forms(tmp_path):
 
 
 GOOD_C = json.dumps({"id": "1", "contents": '"T"\nx'})
-GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]})
+GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]})
 
 
 @pytest.mark.parametrize("reader,good,bad,words", [
@@ -211,3 +211,17 @@ def test_read_qa_refuses_a_repeated_id_only_when_asked(tmp_path):
     assert [q.question for q in read_qa(p)] == ["q?", "other?"]
     with pytest.raises(DataError, match=re.escape(f"{p}:3: duplicate id '1' (first on line 1)")):
         read_qa(p, unique_ids=True)
+
+
+def test_read_qa_warns_once_about_golds_that_normalise_to_nothing(tmp_path):
+    rows = [{"id": "1", "question": "Blood type?", "golden_answers": ["A"]},
+            {"id": "2", "question": "q?", "golden_answers": ["Paris", "The."]},
+            {"id": "3", "question": "q?", "golden_answers": ["Rome"]}]
+    p = _write_lines(tmp_path / "q.jsonl", [json.dumps(r) for r in rows])
+    with pytest.warns(UserWarning, match=re.escape(f"{p}: 2 gold answer(s) normalise to an empty string (line 1: 'A')")):
+        assert [q.answers for q in read_qa(p)] == [["A"], ["Paris", "The."], ["Rome"]]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_qa(_write_lines(tmp_path / "ok.jsonl", [json.dumps(rows[2])]))

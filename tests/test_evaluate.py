@@ -658,8 +658,8 @@ def test_error_unknown_dataset_names_paths(world, tmp_path):
 
 def test_dataset_names_resolve_in_data_dir(tmp_path):
     (tmp_path / "hotpotqa").mkdir()
-    (tmp_path / "hotpotqa" / "dev.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n')
-    (tmp_path / "nq.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    (tmp_path / "hotpotqa" / "dev.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n')
+    (tmp_path / "nq.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n')
     assert evaluate.resolve_data("hotpotqa", str(tmp_path)) == ("hotpotqa", tmp_path / "hotpotqa" / "dev.jsonl")
     assert evaluate.resolve_data("nq", str(tmp_path)) == ("nq", tmp_path / "nq.jsonl")
     assert evaluate.resolve_data(str(tmp_path / "hotpotqa" / "dev.jsonl"), "x")[0] == "hotpotqa_dev"

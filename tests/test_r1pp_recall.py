@@ -1,6 +1,11 @@
 """bench/r1pp_recall.py: which training questions a run drew, the control set, and the tally."""
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import load_bench
 
 from searchlite.data import QA
@@ -128,3 +133,44 @@ def test_ceiling_starts_from_the_start_model_and_trains_it(recall, byte_tokenize
         assert split["shares"]["n"] == 1 and split["other"]["n"] == 1
         assert 0.0 <= summary["em"] <= 1.0 and summary["rc"] >= 0.0
     assert out[1][4] < out[0][4] - 0.1  # two epochs of SFT lowered the NLL of the answer from memory
+
+
+def fake_run(folder, step, steps=10, seed=1):
+    """A train.py out_dir: config.json for `steps`, a checkpoint saved at `step` (trainer.pt only)."""
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"seed": seed, "batch_size": 4, "steps": steps,
+                                                    "train_data": "toy/train.jsonl", "model": "toy/model"}))
+    torch.save({"step": step, "config": {}}, folder / "checkpoint" / "trainer.pt")
+    return str(folder)
+
+
+def test_load_runs_takes_the_steps_the_checkpoint_trained(recall, tmp_path):
+    a, b = fake_run(tmp_path / "a", step=6), fake_run(tmp_path / "b", step=6, steps=20)  # b: interrupted at 6
+    runs = recall.load_runs([a, b])
+    assert [cfg["steps"] for cfg, _ in runs.values()] == [6, 6]
+    assert runs[a][1] == tmp_path / "a" / "checkpoint"
+    with pytest.raises(SystemExit, match="checkpoint step"):
+        recall.load_runs([a, fake_run(tmp_path / "c", step=10)])  # config.json's steps agree, checkpoints do not
+    (tmp_path / "d").mkdir()
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        recall.load_runs([str(tmp_path / "d")])
+
+
+def test_start_flag_is_a_boolean(recall, monkeypatch):
+    asked = []
+    run = {"r": ({"model": "m", "seed": 0, "batch_size": 1, "steps": 1, "train_data": "t"}, Path("r/checkpoint"))}
+    monkeypatch.setattr(recall, "load_runs", lambda runs: run)
+    monkeypatch.setattr(recall, "read_qa", lambda path: [])
+    monkeypatch.setattr(recall, "resolve_path", str)
+    monkeypatch.setattr(recall, "question_sets", lambda cfg, qa, limit: {"drawn": [], "control": []})
+    monkeypatch.setattr(recall, "answer", lambda model, sets, cfg: asked.append(str(model)) or
+                        {"drawn": [], "control": []})
+    for flag, models in (("True", ["m", "r/checkpoint/policy"]), ("0", ["r/checkpoint/policy"])):
+        asked.clear()
+        monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", flag])
+        recall.main()
+        assert asked == models
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "maybe"])
+    with pytest.raises(SystemExit) as e:
+        recall.main()
+    assert e.value.code == 2

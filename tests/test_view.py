@@ -80,7 +80,7 @@ def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypat
 
     monkeypatch.setattr(searchlite.model_spec, "load_model", never)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": \n')
+    bad.write_text('{"question": "q", "golden_answers": ["x"]}\n{"question": \n')
     with pytest.raises(SystemExit, match=f"^error: {re.escape(str(bad))}:2: bad JSON"):
         main(["--data", str(bad)])
     missing = tmp_path / "missing.jsonl"
