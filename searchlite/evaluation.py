@@ -264,8 +264,10 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
         try:
             for start in range(0, len(stale), batch_size):
                 chunk = stale[start:start + batch_size]
-                judge.score(chunk)
-                judged += chunk
+                try:
+                    judge.score(chunk)
+                finally:  # a failed request leaves only its own record stale
+                    judged += [r for r in chunk if all(r.get(k) == v for k, v in judge.stamp.items())]
                 if time.monotonic() - saved > SAVE_EVERY:
                     log.replace(judged)
                     judged, saved = [], time.monotonic()

@@ -895,15 +895,22 @@ def test_stale_records_are_judged_and_saved_a_batch_at_a_time(tok, tmp_path, jud
     run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
     path, judge = tmp_path / "r.jsonl", Judge(judge_server, "j", retries=0)
     evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=5, progress=False)  # no judge yet
-    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "Question: q4" in prompt))
-    with pytest.raises(JudgeError):
-        evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+
+    def judged_when_failing(name: str) -> list:
+        """The verdicts saved when the judge fails on question `name`."""
+        monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: f"Question: {name}" in prompt))
+        with pytest.raises(JudgeError):
+            evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+        return [json.loads(line).get("judge") for line in path.read_text().splitlines()]
+
+    assert judged_when_failing("q3") == [1.0, 1.0, 1.0, None, None]  # q2 kept beside q3; q4 never asked
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r.get("judge") for r in lines] == [1.0, 1.0, 1.0, 1.0, None]  # the verdicts received are kept
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if "judge" not in k}) + "\n" for r in lines))
+    assert judged_when_failing("q1") == [1.0, None, None, None, None]  # a failure in the first batch keeps q0
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: False))
     before = len(JudgeHandler.seen)
     recs = evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
-    assert len(JudgeHandler.seen) - before == 1 and [r["judge"] for r in recs] == [1.0] * 5
+    assert len(JudgeHandler.seen) - before == 4 and [r["judge"] for r in recs] == [1.0] * 5
     assert len(sampler.calls) == 1
 
 
