@@ -48,6 +48,33 @@ def test_token_logprobs_bf16_upcasts():
     torch.testing.assert_close(logp[:, 1:].double(), ref, atol=1e-5, rtol=0)
 
 
+def test_token_logprobs_bf16_gradient_keeps_no_fp32_copy():
+    """With gradients, bf16 rows are upcast again in backward: the same values and gradients as
+    the plain path, and no (T, V) fp32 row kept per sequence for logsumexp's backward."""
+    from searchlite.losses import _row_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, V = 3, 6, 500
+    base = (torch.randn(B, T, V, generator=gen) * 4).bfloat16()
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    w = torch.randn(B, T - 1, generator=gen)
+    kept = []
+
+    def keep(t):
+        kept.append(t.numel() * t.element_size() if t.dtype == torch.float32 else 0)
+        return t
+
+    logits = base.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logp = token_logprobs(logits, ids)
+    (logp[:, 1:] * w).sum().backward()
+    ref_logits = base.clone().requires_grad_()  # the plain path: each row's fp32 copy kept for backward
+    ref = torch.stack([_row_logprobs(ref_logits[b, :-1], ids[b, 1:]) for b in range(B)])
+    (ref * w).sum().backward()
+    assert torch.equal(logp[:, 1:], ref) and torch.equal(logits.grad, ref_logits.grad)
+    assert sum(kept) < (T - 1) * V * 4  # less than one fp32 row in all (B rows of it before)
+
+
 @pytest.mark.parametrize("chunk", [1024, 3, 2])  # 10 positions: one chunk; 3, 3, 3, 1; five of 2
 def test_entropy_matches_categorical(chunk):
     gen = torch.Generator().manual_seed(2)
