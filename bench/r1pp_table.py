@@ -80,7 +80,8 @@ def floors(test: Path, train: Path) -> dict:
     trained = trained_facts(train)
     known = {"famous hops": ("famous",), "famous+train hops": ("famous", "train")}
     out: dict = {"famous questions": {}, "famous hops": {}, "famous+train hops": {}}
-    qs = [(q["type"], [hop_kind(h, trained) for h in q["hops"]]) for q in map(json.loads, test.read_text().splitlines())]
+    lines = test.read_text().splitlines()
+    qs = [(q["type"], [hop_kind(h, trained) for h in q["hops"]]) for q in map(json.loads, lines)]
     for t in TYPES + ["all"]:
         sub = [(qt, k) for qt, k in qs if t in ("all", qt)] or [("", [])]
         out["famous questions"][t] = sum(searches_needed(qt, k, ()) * (k.count("famous") < len(k))

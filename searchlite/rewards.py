@@ -103,10 +103,11 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     order and place ("tower of eiffel" covers "Eiffel Tower"); and its normalisation turns
     punctuation into spaces where ours (Search-R1's, SQuAD's) deletes it ("jean-paul" is
     "jeanpaul" here, "jean paul" there). A substring reward would pay a policy for a longer word
-    that holds the answer. The prediction may have at most `max_words` whitespace-separated words, counted
-    on the raw prediction as the model wrote it — otherwise 0.0, so the policy cannot win
-    by listing candidates (R1-Searcher++ §4.2.1, the training reward). `max_words=None` is the
-    evaluation metric (ACC_R, §5.1), which has no such cap. Golds that normalise to "" never match.
+    that holds the answer. The prediction may have at most `max_words` whitespace-separated
+    words, counted on the raw prediction as the model wrote it — otherwise 0.0, so the policy
+    cannot win by listing candidates (R1-Searcher++ §4.2.1, the training reward).
+    `max_words=None` is the evaluation metric (ACC_R, §5.1), which has no such cap. Golds that
+    normalise to "" never match.
 
     >>> cover_exact_match("paris, france", ["Paris"])
     1.0

@@ -218,7 +218,8 @@ def test_read_qa_warns_once_about_golds_that_normalise_to_nothing(tmp_path):
             {"id": "2", "question": "q?", "golden_answers": ["Paris", "The."]},
             {"id": "3", "question": "q?", "golden_answers": ["Rome"]}]
     p = _write_lines(tmp_path / "q.jsonl", [json.dumps(r) for r in rows])
-    with pytest.warns(UserWarning, match=re.escape(f"{p}: 2 gold answer(s) normalise to an empty string (line 1: 'A')")):
+    blank = f"{p}: 2 gold answer(s) normalise to an empty string (line 1: 'A')"
+    with pytest.warns(UserWarning, match=re.escape(blank)):
         assert [q.answers for q in read_qa(p)] == [["A"], ["Paris", "The."], ["Rome"]]
     import warnings
 
