@@ -36,9 +36,11 @@ from pathlib import Path
 from .protocol import TEMPLATE_DIR
 
 # verdict()'s readings. A "not" (or "cannot be") before the word flips it ("Not true.", "isn't
-# true", "**Not** correct"); "true" before answer/gold/value is a noun phrase, not a verdict.
-VERDICT_RULE = "2"  # in Judge.stamp: a change of rule re-judges the stored replies' records
-_NOT = r"((?:\bnot|n't|\bcannot\s+be)[\s*_]+)?"
+# true", "**Not** correct"); a hedge before it makes it False ("Partially true": not all of it is
+# right); "true" before answer/gold/value is a noun phrase, not a verdict.
+VERDICT_RULE = "3"  # in Judge.stamp: a change of rule re-judges the stored replies' records
+_NOT = r"((?:\bnot|n't|\bcannot\s+be|\b(?:partially|partly|mostly|largely|somewhat|half))[\s*_-]+)?"
+_HEDGE = re.compile(r"\b(?:partially|partly|mostly|largely|somewhat|half)\b", re.I)
 _WORD = r"\b(true|false)\b(?![\s*_]+(?:answer|gold|value)s?\b)"
 # an echoed label before the verdict: "True/False:", "True or False?", "[False|True] -", ...
 _LABEL = re.compile(r"\W*(?:true\s*(?:/|\||\bor\b)\s*false|false\s*(?:/|\||\bor\b)\s*true)\b\W*", re.I)
@@ -69,8 +71,8 @@ def verdict(reply: str) -> bool | None:
     says: "true" or "false", or correct, right, yes (True) or incorrect, wrong, no (False) standing
     alone ("No." or "Incorrect, the true answer is Lyon", not "No doubt" or "Correct answer is").
     Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
-    and failing that its first word. A "not" before the word flips it, and "true" before
-    answer, gold or value is no verdict. Only the prompt's words count there ("False. The
+    and failing that its first word. A "not" before the word flips it, a hedge ("partially",
+    "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only the prompt's words count there ("False. The
     correct answer is Lyon" is False).
 
     >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
@@ -91,6 +93,8 @@ def verdict(reply: str) -> bool | None:
     found = found or _FIRST_WORD.match(answer)
     if not found:
         return None
+    if _HEDGE.search(found.group(1) or ""):
+        return False  # "Partially true": a judge that will not call it right has not
     return (found.group(2).lower() in ("true", "correct", "right", "yes")) != bool(found.group(1))
 
 

@@ -805,6 +805,9 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("True answer: Lyon.", None), ("The true answers are Lyon and Paris", None),
     ("No doubt about it: True", True), ("Correct answer is Paris, so True", True),  # no verdict word alone first
     ("**Not** true", False), ("Answer: **not** True", False), ("It cannot be true.", False),
+    # a hedged verdict is not a judge calling the answer right
+    ("Partially true.", False), ("Mostly correct.", False), ("It is half-true", False),
+    ("Partly false", False), ("The answer is partially correct, so True", True),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
