@@ -42,7 +42,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.r1pp_table import hop_kind, searches_needed  # noqa: E402
+from bench.r1pp_table import from_memory, hop_kind, searches_needed  # noqa: E402
 from searchlite.config import bool_arg, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 
@@ -189,8 +189,8 @@ def ceiling(cfg: dict, sets: dict, test_qa: list, epochs: list[int]):
 
 
 def recall(records: list[dict]) -> dict:
-    """n, share answered with no search, EM of those, EM of all."""
-    none = [r["em"] for r in records if r["searches"] == 0]
+    """n, share answered with no search (one left unanswered is not), EM of those, EM of all."""
+    none = [r["em"] for r in records if from_memory(r)]
     return {"n": len(records), "no_search": len(none) / len(records) if records else 0.0,
             "no_search_em": sum(none) / len(none) if none else 0.0,
             "no_search_right": sum(none) / len(records) if records else 0.0,

@@ -91,15 +91,20 @@ def floors(test: Path, train: Path) -> dict:
     return out
 
 
+def from_memory(record: dict) -> bool:
+    """Answered with no search (a record that gave no answer recalled nothing, though it made no search)."""
+    return bool(record.get("answered", 1.0)) and record["searches"] == 0
+
+
 def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
     """The share of each `hop_kind` that a policy answered without retrieving its passage (from
-    memory, or its search missed). Also how many questions did so for a "train" hop (and for no
-    "new" one), and how many for a "new" hop, each with its EM."""
+    memory, or its search missed), over the questions it answered. Also how many questions did so
+    for a "train" hop (and for no "new" one), and how many for a "new" hop, each with its EM."""
     trained = trained_facts(train)
     hops = {q["id"]: q["hops"] for q in map(json.loads, test.read_text().splitlines())}
     n = {k: [0, 0] for k in ("famous", "train", "new")}  # kind -> [hops, hops without their passage]
     recalled, guessed = [], []  # em of each question that answered a train / a new hop without its passage
-    for r in records:
+    for r in filter(lambda r: r.get("answered", 1.0), records):
         got, guess, recall = {d["id"] for d in r["docs"]}, False, False
         for h in hops[r["id"]]:
             kind, missed = hop_kind(h, trained), h["doc_id"] not in got
@@ -120,11 +125,13 @@ def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
 def recall_vs_search(records: list[dict], test: Path) -> dict:
     """(questions, mean EM) of the famous questions (every hop famous) and of the others, split by
     whether the policy answered with no search ("recalled") or searched: what a retrieval saved
-    costs in EM."""
+    costs in EM. Questions left unanswered with no search are in neither."""
     famous = {q["id"]: q["famous"] for q in map(json.loads, test.read_text().splitlines())}
     out: dict = {}
     for r in records:
-        key = ("famous" if famous[r["id"]] else "other", "recalled" if r["searches"] == 0 else "searched")
+        if not r.get("answered", 1.0) and r["searches"] == 0:
+            continue
+        key = ("famous" if famous[r["id"]] else "other", "recalled" if from_memory(r) else "searched")
         out.setdefault(key, []).append(r["em"])
     return {k: (len(v), sum(v) / len(v)) for k, v in out.items()}
 

@@ -54,6 +54,8 @@ def test_recall_tallies_no_search_answers(recall):
     got = recall.recall(records)
     assert got == {"n": 4, "no_search": 0.5, "no_search_em": 0.5, "no_search_right": 0.25, "em": 0.5}
     assert recall.recall([])["n"] == 0
+    unanswered = {"em": 0.0, "searches": 0, "answered": 0.0}  # no search and no answer: nothing recalled
+    assert recall.recall(records + [unanswered])["no_search"] == 2 / 5
 
 
 def hop(doc, answer, famous=False):

@@ -67,6 +67,9 @@ def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, worl
     h = table.hop_sources(both, *world)
     assert (h["famous"], h["train"], h["new"]) == (0.0, 1.0, 1.0)
     assert (h["recalled"], h["guessed"]) == (0, 1)
+    unanswered = [{"id": "q3", "em": 0.0, "docs": [], "answered": 0.0}]  # gave no answer: answered no hop
+    h = table.hop_sources(records + unanswered, *world)
+    assert (h["new"], h["recalled"], h["guessed"]) == (0.5, 1, 1)  # as without it
 
 
 def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
@@ -78,6 +81,10 @@ def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
                {"id": "q3", "searches": 1, "em": 1.0}, {"id": "q4", "searches": 2, "em": 0.0}]
     rv = table.recall_vs_search(records, test)
     assert rv == {("famous", "recalled"): (1, 1.0), ("other", "recalled"): (1, 0.0), ("other", "searched"): (2, 0.5)}
+    unanswered = [{"id": "q2", "searches": 0, "em": 0.0, "answered": 0.0},  # no answer: it recalled nothing
+                  {"id": "q3", "searches": 1, "em": 0.0, "answered": 0.0}]  # it searched, then gave none
+    assert table.recall_vs_search(records[:1] + unanswered, test) == {("famous", "recalled"): (1, 1.0),
+                                                                      ("other", "searched"): (1, 0.0)}
 
 
 def test_paths_are_taken_as_given_when_they_exist_else_under_the_repo_root(table, monkeypatch, tmp_path):
