@@ -72,8 +72,8 @@ def verdict(reply: str) -> bool | None:
     alone ("No." or "Incorrect, the true answer is Lyon", not "No doubt" or "Correct answer is").
     Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
     and failing that its first word. A "not" before the word flips it, a hedge ("partially",
-    "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only the prompt's words count there ("False. The
-    correct answer is Lyon" is False).
+    "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only
+    the prompt's words count there ("False. The correct answer is Lyon" is False).
 
     >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
     (True, False, False, True)
