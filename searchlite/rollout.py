@@ -9,6 +9,9 @@ passages are appended as an observation; anything else gets the invalid-action m
 After the budget, one last turn runs without search: an answer ends the trajectory, and so
 does anything else (Search-R1's final `do_search=False` turn).
 
+A trajectory ends at `max_len` tokens (prompt + response) or the model's context, whichever is
+smaller: a turn, passage or message that runs past it is cut there (a cut answer is no answer),
+so no row is longer than the model can read; a prompt that already fills it gets no turn.
 The ids kept are exactly the ids the sampler produced; observations and messages are
 tokenised once and appended as ids. `loss_mask` is written while appending: 1 for sampled
 tokens, 0 for prompt, passages, messages and padding (passages get 1 only when
@@ -19,6 +22,7 @@ one turn).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +79,11 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
     # a trajectory ends at max_len, or where the sampler's model runs out of positions (vLLM's
     # max_model_len; HFSampler's model's max_position_embeddings), whichever comes first
     max_len = min(max_len, getattr(sampler, "max_model_len", None) or max_len)
-    active = list(range(n))
+    room = lambda i: max_len - len(prompts[i]) - len(resp[i])  # noqa: E731  tokens left to trajectory i
+    active = [i for i in range(n) if room(i) > 0]
+    if len(active) < n:
+        warnings.warn(f"{n - len(active)} of {n} prompts fill max_len or the model's context ({max_len} "
+                      "tokens): they get no turn and no answer", stacklevel=2)
     bar = _bar(progress, max_turns + 1)
     for turn in range(max_turns + 1):
         if not active:
@@ -84,30 +92,32 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
         outs = sampler.generate([prompts[i] + resp[i] for i in active], stop=protocol.stop, greedy=greedy)
         queries, searchers, still = [], [], []
         for i, out in zip(active, outs):
+            out = out[:room(i)]  # a turn that runs past max_len is cut there
             resp[i] += out
             mask[i] += [1] * len(out)
             turns[i] += 1
             action = protocol.parse(tokenizer.decode(out, skip_special_tokens=False))
             if action.kind == "answer":
                 answers[i] = action.content
-            elif final or len(prompts[i]) + len(resp[i]) >= max_len:
+            elif final or room(i) <= 0:
                 pass  # out of budget: ends without an answer
             elif action.kind == "search":
                 queries.append(action.content)
                 searchers.append(i)
             else:
-                resp[i] += message
-                mask[i] += [obs_mask] * len(message)  # what the engine appends, like a passage
+                cut = message[:room(i)]
+                resp[i] += cut
+                mask[i] += [obs_mask] * len(cut)  # what the engine appends, like a passage
                 still.append(i)
         if queries:
             for i, hits in zip(searchers, retriever.search(queries, topk)):
-                obs = protocol.observation_ids(tokenizer, hits, max_obs_tokens)
+                obs = protocol.observation_ids(tokenizer, hits, max_obs_tokens)[:room(i)]
                 resp[i] += obs
                 mask[i] += [obs_mask] * len(obs)
                 searches[i] += 1
                 docs[i].extend(hits)
                 still.append(i)
-        active = sorted(i for i in still if len(prompts[i]) + len(resp[i]) < max_len)
+        active = sorted(i for i in still if room(i) > 0)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(active=len(active))

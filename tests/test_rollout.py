@@ -110,8 +110,28 @@ def test_unmasked_ablation_marks_passages_and_the_invalid_action_message(byte_to
 def test_max_turns_zero_and_max_len(byte_tokenizer):
     ro, sampler, retriever = _run(byte_tokenizer, ["q-budget", "q-answer"], max_turns=0)
     assert ro.answers == [None, "Paris"] and ro.searches.tolist() == [0, 0] and retriever.calls == []
-    short, _, _ = _run(byte_tokenizer, ["q-budget"], max_turns=3, max_len=10)
-    assert short.turns.tolist() == [1]  # the prompt alone exceeds max_len: one turn, then stop
+    with pytest.warns(UserWarning, match="2 of 2 prompts fill max_len"):
+        short, sampler, _ = _run(byte_tokenizer, ["q-budget", "q-answer"], max_turns=3, max_len=10)
+    assert short.turns.tolist() == [0, 0] and sampler.calls == []  # the prompt alone exceeds max_len: no turn
+    assert short.answers == [None, None] and not short.loss_mask.any()
+
+
+def test_max_len_cuts_the_turn_or_passage_that_reaches_it(byte_tokenizer):
+    """No trajectory is longer than max_len: a turn past it is cut (a cut answer is no answer),
+    and so is the passage after a search; the search still counts, as it was made."""
+    tok = byte_tokenizer
+    prompt = len(encode_prompt(tok, P, "q-answer"))
+    answer = len(tok.encode(SCRIPTS["q-answer"][0], add_special_tokens=False))
+    ro, _, _ = _run(tok, ["q-answer"], max_len=prompt + answer - 3)
+    assert ro.answers == [None] and ro.turns.tolist() == [1]
+    assert ro.input_ids.shape[1] == prompt + answer - 3 and ro.loss_mask[0, prompt:].all()
+    full, _, _ = _run(tok, ["q-search"])
+    first = len(tok.encode(SCRIPTS["q-search"][0], add_special_tokens=False))
+    cap = len(encode_prompt(tok, P, "q-search")) + first + 10  # the passage gets 10 of its tokens
+    ro, _, retriever = _run(tok, ["q-search"], max_len=cap)
+    assert ro.input_ids.shape[1] == cap and ro.searches.tolist() == [1] and ro.turns.tolist() == [1]
+    assert torch.equal(ro.input_ids[0], full.input_ids[0, :cap]) and not ro.loss_mask[0, -10:].any()
+    assert ro.answers == [None] and len(retriever.calls) == 1
 
 
 def test_observation_truncated_keeps_closing_tag(byte_tokenizer):
