@@ -215,7 +215,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     n = max(1.0, all_sum(float(m.sum())))
     mu = all_sum(float(torch.where(m, x, torch.zeros_like(x)).double().sum())) / n
     var = all_sum(float(torch.where(m, (x.double() - mu) ** 2, torch.zeros_like(x, dtype=torch.float64)).sum())) / n
-    out = (x - mu) * (1.0 / (var + eps) ** 0.5)  # (B, T)
+    out = ((x.double() - mu) * (1.0 / (var + eps) ** 0.5)).to(x.dtype)  # (B, T), in float64 as on one process
     return torch.where(m, out, torch.zeros_like(out))
 
 
