@@ -69,6 +69,20 @@ def sampled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
+def mini_batches(cfg, n: int) -> list:
+    """Row index lists of the optimizer steps over this rank's `n` rollouts (mini_batch_size counts
+    all ranks' rows; 0 = the whole batch in one step)."""
+    return micro_batches(n, cfg.mini_batch_size // dist.world())
+
+
+def one_step_on_policy(cfg, n: int) -> bool:
+    """GRPO that takes one optimizer step a batch (one epoch, one mini-batch): the policy it updates
+    is the one that sampled, so the update's own forward gives the old log-probs (the ratio is 1,
+    as in verl's on-policy case) and a scoring pass over the batch is saved. PPO and REINFORCE++
+    need them before the update: their KL penalty is in the reward."""
+    return cfg.algo == "grpo" and cfg.ppo_epochs == 1 and len(mini_batches(cfg, n)) == 1
+
+
 @torch.no_grad()
 def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
@@ -147,12 +161,14 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     Each mini-batch is one optimizer step; its micro-batches accumulate gradients, weighted so
     their sum equals the mini-batch loss (memory does not grow with the batch). With `mem`
     (R1-Searcher++'s rewritten trajectories) and mem_coef > 0, each step also takes
-    mem_coef * L_M over its share of them. Returns lists of per-micro-batch statistics.
-    Under torchrun `ro` is this rank's share and `policy` / `critic` the DDP or FSDP2 modules:
-    a mini-batch is every rank's share of it, and the losses are normalised over all of them.
+    mem_coef * L_M over its share of them. `old_logp` None (`one_step_on_policy`) takes the old
+    log-probs from each micro-batch's own forward, `ref_logp` None (no reference) the same for the
+    KL. Returns lists of per-micro-batch statistics. Under torchrun `ro` is this rank's share
+    and `policy` / `critic` the DDP or FSDP2 modules: a mini-batch is every rank's share of it,
+    and the losses are normalised over all of them.
     """
     stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": [], "mem_loss": []}
-    minis = micro_batches(len(ro), cfg.mini_batch_size // dist.world())  # mini_batch_size counts all ranks' rows
+    minis = mini_batches(cfg, len(ro))
     use_mem = cfg.mem_coef > 0 and dist.all_max(int(mem is not None)) > 0  # torchrun: some rank has rewrites
     n_mem = len(mem) if mem is not None else 0
     mem_shares = [t.tolist() for t in torch.tensor_split(torch.arange(n_mem), len(minis))] if use_mem else []
@@ -172,12 +188,14 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 logp = token_logprobs(logits, ids)  # (b, t)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
                 weight = float(units(lm)) / n_units
-                pg, clipfrac = policy_loss(logp, old_logp[rows, :t].to(device), adv[rows, :t].to(device), lm,
-                                           cfg.clip_eps, cfg.loss_agg)
+                # old_logp None: one step on-policy (one_step_on_policy), the sampling policy is this one
+                old = logp.detach() if old_logp is None else old_logp[rows, :t].to(device)
+                pg, clipfrac = policy_loss(logp, old, adv[rows, :t].to(device), lm, cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
                 ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), lm), lm, cfg.loss_agg)
                 loss = pg - cfg.entropy_coef * ent if cfg.entropy_coef else pg
-                kl = aggregate(kl_penalty(logp, ref_logp[rows, :t].to(device), cfg.kl_kind), lm, cfg.loss_agg)
+                ref = logp.detach() if ref_logp is None else ref_logp[rows, :t].to(device)  # None: no reference
+                kl = aggregate(kl_penalty(logp, ref, cfg.kl_kind), lm, cfg.loss_agg)
                 if cfg.algo == "grpo" and cfg.kl_coef > 0:
                     loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
                 check_finite(step + 1, loss=loss)
@@ -389,15 +407,17 @@ def main(argv=None) -> None:
 
             # -------------------------------------------------------------- old / reference log-probs, values
             mask = ro.loss_mask.float()  # (N, T)
-            old_logp = score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)  # (N, T)
+            old_logp = (None if one_step_on_policy(cfg, len(ro))  # GRPO's single step takes them from its forward
+                        else score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature))
             with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
                 ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
-                            if ref is not None else old_logp)
+                            if ref is not None else old_logp)  # (N, T); None: GRPO's single step, no reference
             dist.release(ref)  # FSDP2: the root's gathered weights, which only a backward would free
-            kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T) per-token KL of the sampled tokens
 
             # -------------------------------------------------------------- advantages
             old_values = ret = None  # PPO only
+            if cfg.algo in ("ppo", "reinforce_pp"):  # per-token KL of the sampled tokens, for the reward
+                kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T)
             if cfg.algo == "ppo":
                 old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
                 rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward

@@ -96,7 +96,7 @@ class Config:
     gamma: float = 1.0  # discount over policy tokens
     lam: float = 1.0  # GAE lambda
     ppo_epochs: int = 1  # passes over each batch of rollouts
-    mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step (Search-R1: 256)
+    mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step (Search-R1: 256; GRPO in one step, one epoch, takes its old log-probs from the update)
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
     loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory

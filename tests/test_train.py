@@ -480,3 +480,38 @@ def test_first_pass_of_update_sees_the_rollouts_log_probs_and_values(tiny_llama,
         for (got, m), r in zip(seen[kind], rows):
             assert torch.equal(m, ro.loss_mask[r, :m.shape[1]].bool())
             torch.testing.assert_close(got[m], want[r, :m.shape[1]][m], atol=1e-5, rtol=0)
+
+
+def test_one_step_on_policy_grpo_takes_old_log_probs_from_its_forward(tiny_llama, byte_tokenizer):
+    """GRPO with one epoch and one mini-batch updates the policy that sampled: update() without
+    old log-probs (or a reference) uses its own forward's, and its gradient is the one it takes
+    with score_tokens' (the pass it saves); more steps a batch, or PPO / REINFORCE++, keep the pass."""
+    from searchlite.config import parse_args
+
+    flags = ["--preset", "none", "--algo", "grpo", "--temperature", "0.7", "--kl_coef", "0.1",
+             "--micro_batch_size", "2", "--grad_clip", "1e9", "--batch_size", "2", "--group", "2"]
+    cfg = parse_args(flags)
+    assert train.one_step_on_policy(cfg, 4)
+    assert not train.one_step_on_policy(parse_args(flags + ["--mini_batch_size", "2"]), 4)
+    assert not train.one_step_on_policy(parse_args(flags + ["--ppo_epochs", "2"]), 4)
+    assert not any(train.one_step_on_policy(parse_args(flags + ["--algo", a]), 4) for a in ("ppo", "reinforce_pp"))
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6, 4), torch.Generator().manual_seed(6),
+                                       temperature=0.7)
+    grads = []
+    for old, ref in ((old_logp, old_logp), (None, None)):
+        opt = Capture(tiny_llama.parameters())
+        train.update(cfg, 0, tiny_llama, opt, ro, old, ref, adv, "cpu")
+        grads.append(opt.grads)
+    assert any(g.abs().max() > 1e-4 for g in grads[0])  # a real gradient
+    for scored, own in zip(*grads):
+        torch.testing.assert_close(own, scored, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("algo, passes", [("grpo", 1), ("reinforce_pp", 2)])
+def test_train_scores_the_old_policy_only_when_it_must(tiny_model, tmp_path, varied_reward, monkeypatch, algo, passes):
+    """A step of GRPO on its whole batch scores the reference alone; REINFORCE++ scores the policy too."""
+    calls = []
+    real = train.score_tokens
+    monkeypatch.setattr(train, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    train.main(args(tiny_model, tmp_path / algo, algo, steps=1, extra=("--eval_every", "0")))
+    assert len(calls) == passes
