@@ -224,11 +224,12 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
 
     monkeypatch.setattr(train, "score_tokens", score)
     monkeypatch.setattr(train, "on_device", recording_on_device)  # train.py's own name for it
-    a = run(tiny_model, tmp_path / "on", steps=2)
+    two = ["--mini_batch_size", "2"]  # two optimizer steps a batch: the policy is scored too (one_step_on_policy)
+    a = run(tiny_model, tmp_path / "on", steps=2, extra=two)
     seen_a, blocks_a = seen[:], blocks[:]
     seen.clear()
     blocks.clear()
-    b = run(tiny_model, tmp_path / "off", steps=2, extra=["--ref_offload"])
+    b = run(tiny_model, tmp_path / "off", steps=2, extra=two + ["--ref_offload"])
     keep = lambda r: {k: v for k, v in r.items() if k != "seconds" and not k.startswith("t_")}  # noqa: E731 timings
     assert [keep(r) for r in a] == [keep(r) for r in b]
     assert a[2]["kl"] > 0  # the reference mattered (at step 1 the policy still is the reference)
