@@ -129,8 +129,8 @@ def recall_vs_search(records: list[dict], test: Path) -> dict:
     famous = {q["id"]: q["famous"] for q in map(json.loads, test.read_text().splitlines())}
     out: dict = {}
     for r in records:
-        if not r.get("answered", 1.0) and r["searches"] == 0:
-            continue
+        if r["searches"] == 0 and not from_memory(r):
+            continue  # left unanswered with no search
         key = ("famous" if famous[r["id"]] else "other", "recalled" if from_memory(r) else "searched")
         out.setdefault(key, []).append(r["em"])
     return {k: (len(v), sum(v) / len(v)) for k, v in out.items()}

@@ -257,7 +257,7 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
         # A record judged before records carried `judge_setup` cannot tell which prompt or endpoint
         # judged it, so it counts as stale too: one request per question, not a silent mix of judges.
         stale = [log.done[k] for k in ((dataset, method, i) for i in ids) if k in log.done
-                 and any(log.done[k].get(field) != value for field, value in judge.stamp.items())]
+                 and not judge.judged(log.done[k])]
         # a batch at a time; a judge that fails midway keeps the verdicts it gave. log.replace rewrites
         # the whole file, so verdicts are saved every SAVE_EVERY seconds, not after every batch.
         judged, saved = [], time.monotonic()
@@ -267,7 +267,7 @@ def evaluate_set(dataset: str, method: str, qa: list, log: RecordLog, run, *, ba
                 try:
                     judge.score(chunk)
                 finally:  # a failed request leaves only its own record stale
-                    judged += [r for r in chunk if all(r.get(k) == v for k, v in judge.stamp.items())]
+                    judged += [r for r in chunk if judge.judged(r)]
                 if time.monotonic() - saved > SAVE_EVERY:
                     log.replace(judged)
                     judged, saved = [], time.monotonic()

@@ -121,6 +121,10 @@ class Judge:
         setup = f"{self.url}\n{max_tokens}\n{self.template}\n{VERDICT_RULE}"  # and how a reply is read
         self.stamp = {"judge_model": model, "judge_setup": hashlib.sha1(setup.encode()).hexdigest()[:12]}
 
+    def judged(self, record: dict) -> bool:
+        """Whether `record` holds this judge setup's verdict (its stamp), so need not be judged again."""
+        return all(record.get(k) == v for k, v in self.stamp.items())
+
     def prompt(self, question: str, golds: list[str], prediction: str) -> str:
         values = {"question": question, "golden_answers": " | ".join(golds), "prediction": prediction}
         return re.sub(r"\{(question|golden_answers|prediction)\}", lambda m: values[m.group(1)], self.template)
