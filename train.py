@@ -34,11 +34,11 @@ from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_re
 from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
 from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
-from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, token_logprobs, value_loss
+from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
                                load_trainer_state, make_optimizer, pick_device, reuse_freed_memory, rng_state,
-                               save_checkpoint, set_rng_state)
+                               save_checkpoint, set_rng_state, trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -63,12 +63,6 @@ def trim(ro, rows):
     return ro.input_ids[rows, :width], ro.attention_mask[rows, :width], ro.loss_mask[rows, :width]
 
 
-def sampled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The logits of the distribution the sampler drew from: logits / temperature, without a
-    (b, t, V) copy at temperature 1 (a 3B micro-batch's is 4.6 GiB in bf16)."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
 def mini_batches(cfg, n: int) -> list:
     """Row index lists of the optimizer steps over this rank's `n` rollouts (mini_batch_size counts
     all ranks' rows; 0 = the whole batch in one step)."""
@@ -86,17 +80,18 @@ def one_step_on_policy(cfg, n: int) -> bool:
 @torch.no_grad()
 def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
-    Log-probs are those of the distribution the sampler drew from: logits / `temperature`."""
+    Log-probs are those of the distribution the sampler drew from: logits / `temperature`, from
+    the first column of a micro-batch where some row has a loss_mask token (0 before it: no loss
+    reads them, `trained_logprobs`)."""
     out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
     for rows in micro_batches(len(ro), size, ro.attention_mask.sum(1)):
-        ids, attn, _ = trim(ro, rows)
+        ids, attn, lm = trim(ro, rows)
         ids, attn = ids.to(device), attn.to(device)
         if values:
             v = model(ids, attn)  # (b, t) value of the state after each token
             out[rows, 1:ids.shape[1]] = v[:, :-1].cpu()  # aligned with logp: V(prefix before token t)
         else:
-            logits = sampled_logits(model(input_ids=ids, attention_mask=attn).logits, temperature)  # (b, t, V)
-            out[rows, :ids.shape[1]] = token_logprobs(logits, ids).cpu()
+            out[rows, :ids.shape[1]] = trained_logprobs(model, ids, attn, lm, temperature)[0].cpu()
     return out
 
 
@@ -147,8 +142,12 @@ def compute_rewards(ro, questions) -> torch.Tensor:
 
 
 def check_finite(step: int, **values) -> None:
+    """A FloatingPointError naming the first of `values` (numbers, tensors or lists of 0-d tensors)
+    that holds a NaN or an infinity."""
     for name, v in values.items():
-        v = torch.as_tensor(v)
+        if isinstance(v, list) and not v:
+            continue
+        v = torch.stack(v) if isinstance(v, list) else torch.as_tensor(v)
         if not torch.isfinite(v).all():
             raise FloatingPointError(f"step {step}: {name} is not finite ({v.flatten()[:4].tolist()}...); "
                                      "the last good checkpoint is kept, nothing was saved for this step")
@@ -167,6 +166,8 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     and `policy` / `critic` the DDP or FSDP2 modules: a mini-batch is every rank's share of it,
     and the losses are normalised over all of them.
     """
+    # statistics stay on the device (0-d tensors) until the end: a .item() per micro-batch would make
+    # the host wait for the device each time; the host waits once an optimizer step, for the checks
     stats = {"loss": [], "kl": [], "clipfrac": [], "entropy": [], "vf_loss": [], "grad_norm": [], "mem_loss": []}
     minis = mini_batches(cfg, len(ro))
     use_mem = cfg.mem_coef > 0 and dist.all_max(int(mem is not None)) > 0  # torchrun: some rank has rewrites
@@ -179,44 +180,47 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
             # the mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
             # gradients, so each rank divides by all ranks' count over the world size
             n_units = max(1.0, dist.all_sum(float(units(ro.loss_mask[mini])))) / dist.world()
+            losses = []  # this mini-batch's weighted losses, checked before its optimizer step
             for rows in micro_batches(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1)):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
                 t = ids.shape[1]
-                ids, attn, lm = ids.to(device), attn.to(device), lm.float().to(device)
-                logits = sampled_logits(policy(input_ids=ids, attention_mask=attn).logits, cfg.temperature)
-                logp = token_logprobs(logits, ids)  # (b, t)
+                ids, attn = ids.to(device), attn.to(device)
+                # logits only from the first trained column on (b, t - s + 1, V), lm_cut their part of lm
+                logp, logits, lm_cut = trained_logprobs(policy, ids, attn, lm, cfg.temperature)  # logp (b, t)
+                lm, lm_cut = lm.float().to(device), lm_cut.float().to(device)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
-                weight = float(units(lm)) / n_units
+                weight = float(units(ro.loss_mask[rows])) / n_units  # counted on the host: no wait
                 # old_logp None: one step on-policy (one_step_on_policy), the sampling policy is this one
                 old = logp.detach() if old_logp is None else old_logp[rows, :t].to(device)
                 pg, clipfrac = policy_loss(logp, old, adv[rows, :t].to(device), lm, cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
-                ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), lm), lm, cfg.loss_agg)
+                ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), lm_cut), lm_cut,
+                                cfg.loss_agg)
                 loss = pg - cfg.entropy_coef * ent if cfg.entropy_coef else pg
                 ref = logp.detach() if ref_logp is None else ref_logp[rows, :t].to(device)  # None: no reference
                 kl = aggregate(kl_penalty(logp, ref, cfg.kl_kind), lm, cfg.loss_agg)
                 if cfg.algo == "grpo" and cfg.kl_coef > 0:
                     loss = loss + cfg.kl_coef * kl  # GRPO: KL in the loss (k3), not in the reward
-                check_finite(step + 1, loss=loss)
-                (loss * weight).backward()
-                stats["loss"].append(loss.item() * weight)
-                stats["kl"].append(kl.item() * weight)
-                stats["clipfrac"].append(float(clipfrac) * weight)
-                stats["entropy"].append(ent.item() * weight)
+                (loss * weight).backward()  # a non-finite loss is caught before the optimizer step
+                losses.append(loss.detach() * weight)
+                stats["kl"].append(kl.detach() * weight)
+                stats["clipfrac"].append(clipfrac * weight)
+                stats["entropy"].append(ent.detach() * weight)
                 if critic is not None:
                     values = critic(ids, attn)  # (b, t)
                     values = torch.cat([values.new_zeros(len(rows), 1), values[:, :-1]], 1)  # aligned with logp
                     vf, _ = value_loss(values, old_values[rows, :t].to(device), ret[rows, :t].to(device), lm,
                                        cfg.value_clip_eps, cfg.loss_agg)
-                    check_finite(step + 1, value_loss=vf)
                     (vf * weight).backward()
-                    stats["vf_loss"].append(vf.item() * weight)
+                    stats["vf_loss"].append(vf.detach() * weight)
             if use_mem:  # R1-Searcher++ §4.2.2: + mu * L_M (searchlite/r1pp.py)
                 lm_loss = memorization_backward(policy, mem, mem_shares[j], cfg.mem_coef, cfg.micro_batch_size, device)
                 if lm_loss is not None:  # None: no rewrite in this mini-batch (on any rank)
                     check_finite(step + 1, mem_loss=lm_loss)
                     stats["mem_loss"].append(lm_loss)
+            stats["loss"] += losses
+            check_finite(step + 1, loss=losses, value_loss=stats["vf_loss"])
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
             opt.step()
@@ -225,7 +229,8 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
                 critic_opt.step()
                 critic_opt.zero_grad(set_to_none=True)
-    return stats
+    return {k: [float(x) for x in (torch.stack(v).tolist() if v and torch.is_tensor(v[0]) else v)]
+            for k, v in stats.items()}
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,8 @@ and a small one keeps the 2 x (repeats + 1) steps on random advantages from movi
 Rolls out one GRPO batch with the warm-start policy, then times, alternately and
 `--repeats` times each, (a) `train.update` (clipped policy loss + KL, micro-batches,
 gradient clipping, statistics) and (b) a bare loop over the same micro-batches of the same
-model: forward, masked token NLL, backward, AdamW step. Reports policy tokens/s of each and
+model: forward (the LM head on the trained columns, `models.trained_logprobs`, as update's),
+masked token NLL, backward, AdamW step. Reports policy tokens/s of each and
 their ratio (goal >= 0.9), medians over the repeats.
 """
 
@@ -29,8 +30,7 @@ import train  # noqa: E402
 from searchlite.advantages import broadcast  # noqa: E402
 from searchlite.config import at_least, parse_args, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
-from searchlite.losses import token_logprobs  # noqa: E402
-from searchlite.models import load_policy, load_tokenizer  # noqa: E402
+from searchlite.models import load_policy, load_tokenizer, trained_logprobs  # noqa: E402
 from searchlite.protocol import get_protocol  # noqa: E402
 from searchlite.retrieval import build_retriever  # noqa: E402
 from searchlite.rollout import rollout  # noqa: E402
@@ -41,7 +41,7 @@ def bare_step(policy, opt, ro, size: int) -> None:
     n_tok = float(ro.loss_mask.sum())
     for rows in train.micro_batches(len(ro), size, ro.attention_mask.sum(1)):  # as train.update groups them
         ids, attn, lm = train.trim(ro, rows)
-        logp = token_logprobs(policy(input_ids=ids, attention_mask=attn).logits, ids)  # (b, t)
+        logp = trained_logprobs(policy, ids, attn, lm)[0]  # (b, t), the LM head on the trained columns, as update's
         (-(logp * lm).sum() / n_tok).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """Token log-probs, masked reductions, PPO policy / value losses and KL estimators.
 
-Pure functions on tensors. `train.py` runs `logits = model(input_ids).logits`, then
-`logp = token_logprobs(logits, input_ids)` and feeds `logp`, `old_logp`, `ref_logp`, `adv`
+Pure functions on tensors. `train.py` gets `logp = token_logprobs(logits, input_ids)` from
+`models.trained_logprobs` (the model's logits from the first trained column on) and feeds `logp`, `old_logp`, `ref_logp`, `adv`
 and `loss_mask` (all `(B, T)`) to `policy_loss`, `kl_penalty` and `aggregate`.
 
 Alignment, used everywhere: position t of every `(B, T)` tensor is about token

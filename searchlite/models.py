@@ -34,6 +34,7 @@ from torch import nn
 
 from .config import ConfigError, resolve_path
 from .data import replace_durably
+from .losses import token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,6 +105,32 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def sampled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits of the distribution the sampler drew from: logits / temperature, without a
+    (b, t, V) copy at temperature 1 (a 3B micro-batch's is 4.6 GiB in bf16)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float = 1.0):
+    """Log-probs of the tokens a loss can train on, with the LM head run only where they are.
+
+    `mask` (b, t) marks the tokens a loss reads (loss_mask); s is the first column where any row
+    has one (a mask on the host costs the device no wait). Returns (logp, logits, mask[:, s - 1:]): logp (b, t) = log p(input_ids[:, j] |
+    input_ids[:, :j]) under logits / `temperature` for j >= s, 0 before s; logits
+    (b, t - s + 1, V) those of positions s - 1 .. t - 1, aligned with the cut mask as
+    `losses.masked_entropy` expects. The head (a small model's largest matrix) and the
+    log-softmax skip the columns before s (`logits_to_keep`): in a toy batch the prompts are 43%
+    of the real tokens and s cuts 18% of the micro-batches' columns, padding included. The values
+    are those of `token_logprobs` over the whole rows.
+    """
+    t = input_ids.shape[1]
+    s = max(1, int(mask.any(0).int().argmax()))  # no token to train: s = 1, every position
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=t - s + 1)
+    logits = sampled_logits(out.logits, temperature)  # (b, t - s + 1, V)
+    logp = torch.nn.functional.pad(token_logprobs(logits, input_ids[:, s - 1:])[:, 1:], (s, 0))  # (b, t)
+    return logp, logits, mask[:, s - 1:]
 
 
 class Critic(nn.Module):

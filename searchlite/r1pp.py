@@ -211,15 +211,15 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
         if k < len(chunks):
             chunk = chunks[k]
             width = int(mem.attention_mask[chunk].sum(1).max())
-            ids, attn, lm = (x[chunk, :width].to(device) for x in (mem.input_ids, mem.attention_mask, mem.loss_mask))
+            ids, attn, lm = (x[chunk, :width] for x in (mem.input_ids, mem.attention_mask, mem.loss_mask))
         else:  # a pass with nothing to learn: two tokens, loss mask 0, so a zero gradient
-            ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # (1, 2)
+            ids = torch.zeros(1, 2, dtype=torch.long)  # (1, 2)
             attn, lm = torch.ones_like(ids), torch.zeros_like(ids)  # (1, 2)
-        nll = sft_loss(policy, ids, lm, attn)  # token mean over this micro-batch
-        weight = float(lm.sum()) / n_tok
+        weight = float(lm.sum()) / n_tok  # counted on the host
+        nll = sft_loss(policy, ids.to(device), lm.to(device), attn.to(device))  # token mean over this micro-batch
         (coef * weight * nll).backward()
-        total += nll.item() * weight
-    return total
+        total = total + nll.detach() * weight
+    return float(total)
 
 
 # ---------------------------------------------------------------------------- stage 1: cold start

@@ -238,6 +238,37 @@ def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
         assert not torch.allclose(got, token_logprobs(logits, ids), atol=1e-3)
 
 
+def test_trained_logprobs_runs_the_head_on_the_trained_columns_only(tiny_llama):
+    """Log-probs, their gradient and the entropy are those of the whole rows' logits where the
+    mask is set, while the LM head reads only columns s - 1 .. t - 1 (s: the first trained one)."""
+    from searchlite.losses import masked_entropy, token_logprobs
+    from searchlite.models import trained_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (3, 9), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[2, 7:] = 0  # right padding
+    mask = torch.zeros_like(ids)
+    mask[0, 4:], mask[1, 6:8], mask[2, 5:7] = 1, 1, 1  # s = 4
+    seen = []
+    hook = tiny_llama.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
+    logp, logits, cut = trained_logprobs(tiny_llama, ids, attn, mask, temperature=0.7)
+    hook.remove()
+    assert seen == [6] and logits.shape[:2] == (3, 6) and torch.equal(cut, mask[:, 3:])
+    full_logits = tiny_llama(input_ids=ids, attention_mask=attn).logits / 0.7
+    full = token_logprobs(full_logits, ids)
+    on = mask.bool()
+    assert torch.allclose(logp[on], full[on], atol=1e-6, rtol=0) and (logp[:, :4] == 0).all()
+    assert torch.allclose(masked_entropy(logits, cut), masked_entropy(full_logits, mask)[:, 3:], atol=1e-6, rtol=0)
+    params = [p for p in tiny_llama.parameters()]
+    got = torch.autograd.grad((logp * mask).sum(), params)
+    want = torch.autograd.grad((full * mask).sum(), params)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(got, want))
+    assert any(a.abs().sum() > 0 for a in got)
+    raw, raw_logits, _ = trained_logprobs(tiny_llama, ids, attn, torch.zeros_like(mask))  # nothing trained: all
+    assert raw_logits.shape[1] == 9 and torch.allclose(raw, token_logprobs(full_logits * 0.7, ids), atol=1e-5, rtol=0)
+
+
 class _Rows:
     """The three fields of a Rollout that score_tokens reads."""
 
