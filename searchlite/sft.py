@@ -26,13 +26,17 @@ from tqdm import tqdm
 
 from .config import ConfigError
 from .data import write_durably
-from .models import rng_state, set_rng_state, trained_logprobs
+from .losses import token_logprobs
+from .models import rng_state, set_rng_state
 
 
 def sft_loss(model, input_ids, loss_mask, attention_mask=None, tokens: float | None = None) -> torch.Tensor:
     """Mean NLL over loss_mask tokens of one batch; input_ids/loss_mask (B, T). `tokens`: divide
     the sum by this count instead (a micro-batch's share of its whole batch's mean)."""
-    logp = trained_logprobs(model, input_ids, attention_mask, loss_mask)[0]  # (B, T), head on trained columns only
+    # the LM head over whole rows (not models.trained_logprobs): the shipped warm start and stage 1
+    # were trained so, and skipping the prompt's columns moves their sums by float rounding
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    logp = token_logprobs(logits, input_ids)  # (B, T)
     mask = loss_mask.float()
     return -(logp * mask).sum() / (mask.sum().clamp(min=1.0) if tokens is None else tokens)
 
