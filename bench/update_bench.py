@@ -3,7 +3,7 @@
     python bench/update_bench.py                      # the toy warm start, 16 questions x 5
 
 Settings are train.py's [toy] preset (configs.toml; what `python train.py` runs with):
-micro-batches of 40 trajectories, 64 new tokens a turn, sampling and log-probs at temperature
+micro-batches of 10 trajectories, 64 new tokens a turn, sampling and log-probs at temperature
 0.7. Only the learning rate differs, 1e-5 instead of 3e-4: its value does not change the cost,
 and a small one keeps the 2 x (repeats + 1) steps on random advantages from moving the model far.
 

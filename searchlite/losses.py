@@ -1,8 +1,9 @@
 """Token log-probs, masked reductions, PPO policy / value losses and KL estimators.
 
 Pure functions on tensors. `train.py` gets `logp = token_logprobs(logits, input_ids)` from
-`models.trained_logprobs` (the model's logits from the first trained column on) and feeds `logp`, `old_logp`, `ref_logp`, `adv`
-and `loss_mask` (all `(B, T)`) to `policy_loss`, `kl_penalty` and `aggregate`.
+`models.trained_logprobs` (the model's logits from the first trained column on) and feeds
+`logp`, `old_logp`, `ref_logp`, `adv` and `loss_mask` (all `(B, T)`) to `policy_loss`,
+`kl_penalty` and `aggregate`.
 
 Alignment, used everywhere: position t of every `(B, T)` tensor is about token
 `input_ids[:, t]`. `logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, and

@@ -116,14 +116,14 @@ def sampled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float = 1.0):
     """Log-probs of the tokens a loss can train on, with the LM head run only where they are.
 
-    `mask` (b, t) marks the tokens a loss reads (loss_mask); s is the first column where any row
-    has one (a mask on the host costs the device no wait). Returns (logp, logits, mask[:, s - 1:]): logp (b, t) = log p(input_ids[:, j] |
-    input_ids[:, :j]) under logits / `temperature` for j >= s, 0 before s; logits
-    (b, t - s + 1, V) those of positions s - 1 .. t - 1, aligned with the cut mask as
-    `losses.masked_entropy` expects. The head (a small model's largest matrix) and the
-    log-softmax skip the columns before s (`logits_to_keep`): in a toy batch the prompts are 43%
-    of the real tokens and s cuts 18% of the micro-batches' columns, padding included. The values
-    are those of `token_logprobs` over the whole rows.
+    `mask` (b, t) marks the tokens a loss reads (loss_mask; on the host, it costs the device no
+    wait); s is the first column where any row has one. Returns (logp, logits, mask[:, s - 1:]):
+    logp (b, t) = log p(input_ids[:, j] | input_ids[:, :j]) under logits / `temperature` for
+    j >= s, 0 before s; logits (b, t - s + 1, V) those of positions s - 1 .. t - 1, aligned
+    with the cut mask as `losses.masked_entropy` expects. The head (a small model's largest
+    matrix) and the log-softmax skip the columns before s (`logits_to_keep`): 35% of the
+    columns of the toy preset's micro-batches in the first batch of bench/update_bench.py. The
+    values are those of `token_logprobs` over the whole rows.
     """
     t = input_ids.shape[1]
     s = max(1, int(mask.any(0).int().argmax()))  # no token to train: s = 1, every position
