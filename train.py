@@ -48,13 +48,38 @@ from searchlite.sampler import HFSampler
 from searchlite.vllm_sampler import VLLMSampler
 
 
-def micro_batches(n: int, size: int, lengths=None):
+def micro_batches(n: int, size: int, lengths=None, max_tokens: int = 0):
     """Row index lists of at most `size` rows covering range(n). With `lengths` (n,) the rows go
     shortest first: a micro-batch is cut to its longest row (`trim`), so rows of like length
-    together carry little padding (a toy step's forward passes ran 2.6x the real tokens, 1.5x so)."""
+    together carry little padding (a toy step's forward passes ran 2.6x the real tokens, 1.5x so).
+    With `max_tokens` too, a micro-batch also holds at most that many tokens, padding included
+    (rows x its longest row; a longer row goes alone), so short rows go many to a pass and long
+    ones few (verl's dynamic batch size)."""
     size = size or n
-    order = list(range(n)) if lengths is None else torch.argsort(torch.as_tensor(lengths), stable=True).tolist()
-    return [order[s:s + size] for s in range(0, n, size)]
+    if lengths is None:
+        return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+    lengths = torch.as_tensor(lengths)
+    out = []
+    for i in torch.argsort(lengths, stable=True).tolist():  # shortest first: the new row is the longest
+        if not out or len(out[-1]) == size or max_tokens and (len(out[-1]) + 1) * int(lengths[i]) > max_tokens:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
+def passes(n: int, size: int, lengths, max_tokens: int = 0) -> list:
+    """`micro_batches` of this rank's rows, as many on every rank: under torchrun each forward and
+    backward is a collective (DDP, FSDP2), so a rank whose token budget made fewer micro-batches
+    than another's splits its largest ones in two until it has as many."""
+    out = micro_batches(n, size, lengths, max_tokens)
+    if not max_tokens:
+        return out  # rows alone: every rank holds as many rows, so as many micro-batches
+    want = dist.all_max(len(out))
+    while len(out) < want:  # want <= n rows, so some micro-batch has two rows or more
+        big = max(range(len(out)), key=lambda i: len(out[i]))
+        rows = out.pop(big)
+        out[big:big] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return out
 
 
 def trim(ro, rows):
@@ -78,13 +103,14 @@ def one_step_on_policy(cfg, n: int) -> bool:
 
 
 @torch.no_grad()
-def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0) -> torch.Tensor:
+def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0,
+                 max_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
     Log-probs are those of the distribution the sampler drew from: logits / `temperature`, from
     the first column of a micro-batch where some row has a loss_mask token (0 before it: no loss
-    reads them, `trained_logprobs`)."""
+    reads them, `trained_logprobs`). Micro-batches: `size` rows and `max_tokens` tokens at most."""
     out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
-    for rows in micro_batches(len(ro), size, ro.attention_mask.sum(1)):
+    for rows in passes(len(ro), size, ro.attention_mask.sum(1), max_tokens):
         ids, attn, lm = trim(ro, rows)
         ids, attn = ids.to(device), attn.to(device)
         if values:
@@ -181,7 +207,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
             # gradients, so each rank divides by all ranks' count over the world size
             n_units = max(1.0, dist.all_sum(float(units(ro.loss_mask[mini])))) / dist.world()
             losses = []  # this mini-batch's weighted losses, checked before its optimizer step
-            for rows in micro_batches(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1)):
+            for rows in passes(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1), cfg.micro_batch_tokens):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
                 t = ids.shape[1]
@@ -413,9 +439,11 @@ def main(argv=None) -> None:
             # -------------------------------------------------------------- old / reference log-probs, values
             mask = ro.loss_mask.float()  # (N, T)
             old_logp = (None if one_step_on_policy(cfg, len(ro))  # GRPO's single step takes them from its forward
-                        else score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature))
+                        else score_tokens(policy, ro, cfg.micro_batch_size, device, temperature=cfg.temperature,
+                                          max_tokens=cfg.micro_batch_tokens))
             with on_device(ref, device, cfg.ref_offload):  # ref_offload: the reference visits the device to score
-                ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature)
+                ref_logp = (score_tokens(ref, ro, cfg.micro_batch_size, device, temperature=cfg.temperature,
+                                         max_tokens=cfg.micro_batch_tokens)
                             if ref is not None else old_logp)  # (N, T); None: GRPO's single step, no reference
             dist.release(ref)  # FSDP2: the root's gathered weights, which only a backward would free
 
@@ -424,7 +452,8 @@ def main(argv=None) -> None:
             if cfg.algo in ("ppo", "reinforce_pp"):  # per-token KL of the sampled tokens, for the reward
                 kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask  # (N, T)
             if cfg.algo == "ppo":
-                old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True)  # (N, T)
+                old_values = score_tokens(critic, ro, cfg.micro_batch_size, device, values=True,
+                                          max_tokens=cfg.micro_batch_tokens)  # (N, T)
                 rewards = ppo_token_rewards(scores, kl_tok, mask, cfg.kl_coef)  # (N, T) KL in the reward
                 adv, ret = gae(rewards, old_values, mask, cfg.gamma, cfg.lam, whiten=dist.masked_whiten)  # (N, T)
             elif cfg.algo == "grpo":  # torchrun: all ranks' scores, as group = 1's baseline is the whole batch's mean

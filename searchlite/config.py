@@ -98,6 +98,7 @@ class Config:
     ppo_epochs: int = 1  # passes over each batch of rollouts
     mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step (Search-R1: 256; GRPO in one step, one epoch, takes its old log-probs from the update)
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
+    micro_batch_tokens: int = 0  # the most tokens a forward/backward holds besides micro_batch_size's rows, padding included (rows x the longest; a longer row goes alone): short rows go many to a pass, long ones few (verl's dynamic batch size); 0 = rows alone
     loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory
     # --- memory levers (searchlite/memory.py)
@@ -314,7 +315,7 @@ CHOICES = {  # fields that take one of a few values (parallel, dtype and retriev
     "group_sigma": ("group", "correct"),
     "cold_start_sampler": ("policy", "teacher"),
 }
-AT_LEAST = {"steps": 0, "group": 1, "batch_size": 1, "micro_batch_size": 1, "mini_batch_size": 0, "ppo_epochs": 1,
+AT_LEAST = {"steps": 0, "group": 1, "batch_size": 1, "micro_batch_size": 1, "micro_batch_tokens": 0, "mini_batch_size": 0, "ppo_epochs": 1,
             "topk": 1, "max_turns": 0, "max_new_tokens": 1, "max_len": 1, "gen_batch_size": 0, "sft_epochs": 1,
             "sft_batch_size": 1, "sft_questions": 0, "sft_rewrites": 0, "eval_every": 0, "eval_size": 0,
             "save_every": 0, "log_trajectories_every": 0, "warmup_steps": 0, "critic_warmup_steps": 0,

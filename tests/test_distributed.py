@@ -46,13 +46,16 @@ CASES = {  # name: Config overrides
     "grpo_seq_mean": dict(algo="grpo", loss_agg="seq_mean_token_mean"),
     "ppo": dict(algo="ppo", loss_agg="token_mean"),
     "reinforce_pp_mem": dict(algo="reinforce_pp", loss_agg="token_mean", mem_coef=0.1),
+    # a token budget: rank 0's long rows go one to a micro-batch, rank 1's short ones two, so rank 1
+    # must split its micro-batch to run as many passes as rank 0 (train.passes)
+    "grpo_tokens": dict(algo="grpo", loss_agg="token_mean", micro_batch_size=2, micro_batch_tokens=16),
 }
 
 
 def make_config(case: str) -> Config:
     # 2 mini-batches of 4 trajectories (2 per rank), micro-batches of 1; no gradient clipping
-    return Config(mini_batch_size=4, micro_batch_size=1, ppo_epochs=1, grad_clip=1e9, kl_coef=0.1, kl_kind="k3",
-                  clip_eps=0.2, value_clip_eps=0.5, temperature=0.7, **CASES[case])
+    return Config(**dict(mini_batch_size=4, micro_batch_size=1, ppo_epochs=1, grad_clip=1e9, kl_coef=0.1,
+                         kl_kind="k3", clip_eps=0.2, value_clip_eps=0.5, temperature=0.7) | CASES[case])
 
 
 def make_rollout(ids, attn, lm) -> Rollout:

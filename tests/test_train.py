@@ -412,6 +412,50 @@ def test_micro_batches_group_rows_of_like_length():
     assert (padded(train.micro_batches(5, 2)), padded(by_length)) == (9 * 2 + 5 * 2 + 4, 2 * 2 + 5 * 2 + 9)
 
 
+def test_micro_batches_hold_at_most_max_tokens():
+    """With a token budget a micro-batch holds rows x its longest row <= max_tokens (a longer row
+    alone), rows still shortest first and each once, and the row limit still holds."""
+    lengths = [9, 2, 5, 1, 4]  # shortest first: rows 3, 1, 4, 2, 0
+    assert train.micro_batches(5, 0, lengths, max_tokens=8) == [[3, 1], [4], [2], [0]]
+    assert train.micro_batches(5, 0, lengths, max_tokens=10) == [[3, 1], [4, 2], [0]]
+    assert train.micro_batches(5, 1, lengths, max_tokens=100) == [[3], [1], [4], [2], [0]]
+    assert train.micro_batches(5, 0, lengths, max_tokens=100) == [[3, 1, 4, 2, 0]]
+
+
+def test_passes_split_until_every_rank_has_as_many(monkeypatch):
+    """Under torchrun a rank whose budget made fewer micro-batches than another's splits its
+    largest until it has as many (each forward / backward is a collective); without a budget
+    every rank has as many already and nothing is asked of the others."""
+    lengths = [3, 1, 2, 2, 1]
+    monkeypatch.setattr(train.dist, "all_max", lambda n: 4)  # another rank made 4
+    got = train.passes(5, 0, lengths, max_tokens=100)
+    assert len(got) == 4 and all(got) and sorted(sum(got, [])) == list(range(5))
+    assert got == [[1], [4], [2], [3, 0]]  # [1, 4, 2, 3, 0] halved, then [2, 3, 0], then the first of two pairs
+    monkeypatch.setattr(train.dist, "all_max", lambda n: pytest.fail("no budget: no collective"))
+    assert train.passes(5, 2, lengths) == train.micro_batches(5, 2, lengths)
+
+
+def test_token_budget_micro_batches_sum_to_the_whole_gradient(tiny_llama, byte_tokenizer):
+    """Micro-batches cut by --micro_batch_tokens add up to the gradient of one pass, as row-count ones do."""
+    from searchlite.config import parse_args
+
+    g = torch.Generator().manual_seed(2)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 2, 7, 3, 6), g)
+
+    def grads(*flags):
+        cfg = parse_args(["--preset", "none", "--algo", "grpo", "--kl_coef", "0.1", "--grad_clip", "1e9", *flags])
+        opt = Capture(tiny_llama.parameters())
+        train.update(cfg, 0, tiny_llama, opt, ro, old_logp, old_logp, adv, "cpu")
+        return opt.grads
+
+    lengths = ro.attention_mask.sum(1)
+    budget = 2 * int(lengths.sort().values[1])  # the two shortest rows together, the others alone
+    assert len(train.micro_batches(5, 8, lengths, budget)) == 4
+    for got, want in zip(grads("--micro_batch_size", "8", "--micro_batch_tokens", str(budget)),
+                         grads("--micro_batch_size", "8")):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
+
+
 def _policy_logps(model, ro, temperature):
     """{(b, t): log p(input_ids[b, t]) at `temperature`} for every policy token, one softmax at a time."""
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits  # (N, T, V)
