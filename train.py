@@ -206,7 +206,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
             # the mean over every rank's share of the mini-batch: DDP / FSDP2 average the ranks'
             # gradients, so each rank divides by all ranks' count over the world size
             n_units = max(1.0, dist.all_sum(float(units(ro.loss_mask[mini])))) / dist.world()
-            losses = []  # this mini-batch's weighted losses, checked before its optimizer step
+            losses, vfs = [], []  # this mini-batch's weighted losses, checked before its optimizer step
             for rows in passes(len(mini), cfg.micro_batch_size, ro.attention_mask[mini].sum(1), cfg.micro_batch_tokens):
                 rows = [mini[r] for r in rows]
                 ids, attn, lm = trim(ro, rows)
@@ -239,14 +239,15 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                     vf, _ = value_loss(values, old_values[rows, :t].to(device), ret[rows, :t].to(device), lm,
                                        cfg.value_clip_eps, cfg.loss_agg)
                     (vf * weight).backward()
-                    stats["vf_loss"].append(vf.detach() * weight)
+                    vfs.append(vf.detach() * weight)
             if use_mem:  # R1-Searcher++ §4.2.2: + mu * L_M (searchlite/r1pp.py)
                 lm_loss = memorization_backward(policy, mem, mem_shares[j], cfg.mem_coef, cfg.micro_batch_size, device)
                 if lm_loss is not None:  # None: no rewrite in this mini-batch (on any rank)
                     check_finite(step + 1, mem_loss=lm_loss)
                     stats["mem_loss"].append(lm_loss)
+            check_finite(step + 1, loss=losses, value_loss=vfs)
             stats["loss"] += losses
-            check_finite(step + 1, loss=losses, value_loss=stats["vf_loss"])
+            stats["vf_loss"] += vfs
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             check_finite(step + 1, grad_norm=stats["grad_norm"][-1])
             opt.step()
@@ -255,8 +256,7 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
                 critic_opt.step()
                 critic_opt.zero_grad(set_to_none=True)
-    return {k: [float(x) for x in (torch.stack(v).tolist() if v and torch.is_tensor(v[0]) else v)]
-            for k, v in stats.items()}
+    return {k: torch.stack(v).tolist() if v and torch.is_tensor(v[0]) else v for k, v in stats.items()}
 
 
 def main(argv=None) -> None:

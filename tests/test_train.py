@@ -260,7 +260,7 @@ def test_trained_logprobs_runs_the_head_on_the_trained_columns_only(tiny_llama):
     on = mask.bool()
     assert torch.allclose(logp[on], full[on], atol=1e-6, rtol=0) and (logp[:, :4] == 0).all()
     assert torch.allclose(masked_entropy(logits, cut), masked_entropy(full_logits, mask)[:, 3:], atol=1e-6, rtol=0)
-    params = [p for p in tiny_llama.parameters()]
+    params = list(tiny_llama.parameters())
     got = torch.autograd.grad((logp * mask).sum(), params)
     want = torch.autograd.grad((full * mask).sum(), params)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(got, want))
