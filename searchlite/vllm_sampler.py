@@ -33,9 +33,10 @@ whose per-step Python overhead dominates with so small a model (bench/sampler_be
 A LoRA run's checkpoint (an adapter folder) given as the model is merged into its base once and
 cached (`model_spec.merged_folder`). Left out on purpose: vLLM's own multiprocessing, tensor
 parallelism inside one sampler (one sampler per rank), LoRA adapters inside vLLM (a LoRA policy
-is merged tensor by tensor as it is pushed), and a
-checkpoint's `generation_config.suppress_tokens`, which HFSampler applies (bench/gpu_check.py
-pads a random model's vocabulary past the toy tokenizer with it; trained checkpoints set none).
+is merged tensor by tensor as it is pushed).
+A checkpoint's `generation_config.suppress_tokens` (ids never sampled: bench/gpu_check.py pads a
+random model's vocabulary past the toy tokenizer with them) are kept out as HFSampler keeps them,
+by vLLM's `allowed_token_ids` (every other id of the vocabulary; their logits become -inf).
 """
 
 from __future__ import annotations
@@ -130,6 +131,18 @@ def _import_vllm():
     return vllm
 
 
+def suppress_tokens(model: str) -> list[int]:
+    """The ids `model`'s generation_config.json says are never sampled (`suppress_tokens`); none
+    without that file."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model)
+    except OSError:  # no generation_config.json: transformers' defaults suppress nothing
+        return []
+    return list(config.suppress_tokens or [])
+
+
 class VLLMSampler:
     """Batched sampling with an in-process vLLM engine built from a Hugging Face folder."""
 
@@ -165,6 +178,9 @@ class VLLMSampler:
         logging.getLogger("vllm").setLevel(logging.WARNING)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        suppressed = set(suppress_tokens(resolve_path(model)))
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        self.allowed = [i for i in range(vocab) if i not in suppressed] if suppressed else None
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -233,4 +249,5 @@ class VLLMSampler:
             top_p=1.0 if greedy else self.top_p, seed=seed, stop=list(stop) or None,
             include_stop_str_in_output=True,  # the ids end with the stop string, as HFSampler's do
             skip_special_tokens=False, spaces_between_special_tokens=False,  # tags may be special tokens
+            allowed_token_ids=self.allowed,
         )

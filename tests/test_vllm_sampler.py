@@ -108,6 +108,33 @@ def test_greedy_tokens_match_hf_on_random_weights(engine, tok, prompts):
     assert engine.generate(prompts, greedy=True) == want
 
 
+def test_suppressed_ids_are_never_sampled_as_with_hf(engine, tok, prompts):
+    """generation_config.suppress_tokens: vLLM's allowed_token_ids keep out the ids HFSampler does."""
+    model = random_toy_model(1)
+    engine.push_weights(model)
+    free = hf_sampler(model, tok).generate(prompts, greedy=True)
+    banned = sorted({ids[0] for ids in free} | {ids[1] for ids in free})  # what greedy picks first
+    model.generation_config.suppress_tokens = banned
+    want = hf_sampler(model, tok).generate(prompts, greedy=True)
+    assert want != free and not set(banned) & {t for ids in want for t in ids}
+    engine.allowed = [i for i in range(model.config.vocab_size) if i not in banned]
+    try:
+        assert engine.generate(prompts, greedy=True) == want
+    finally:
+        engine.allowed = None
+
+
+def test_suppress_tokens_read_from_the_model_folder(tmp_path):
+    from transformers import GenerationConfig
+
+    from searchlite.vllm_sampler import suppress_tokens
+
+    assert suppress_tokens(str(tmp_path)) == []  # no generation_config.json
+    GenerationConfig(suppress_tokens=[7, 3]).save_pretrained(tmp_path)
+    assert suppress_tokens(str(tmp_path)) == [7, 3]
+    assert suppress_tokens(TOY_MODEL) == []
+
+
 def test_stop_strings_cut_like_hf(engine, tok, prompts):
     """A whole token, two tokens, and the start of a token as stop strings: both samplers stop on the
     token that completes the first stop string and return it."""
