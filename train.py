@@ -106,9 +106,9 @@ def one_step_on_policy(cfg, n: int) -> bool:
 def score_tokens(model, ro, size: int, device, values: bool = False, temperature: float = 1.0,
                  max_tokens: int = 0) -> torch.Tensor:
     """Per-token log-probs (or critic values) of every rollout row, (N, T), in micro-batches.
-    Log-probs are those of the distribution the sampler drew from: logits / `temperature`, from
-    the first column of a micro-batch where some row has a loss_mask token (0 before it: no loss
-    reads them, `trained_logprobs`). Micro-batches: `size` rows and `max_tokens` tokens at most."""
+    Log-probs are those of the distribution the sampler drew from: logits / `temperature`, at the
+    loss_mask tokens (0 elsewhere: no loss reads them, `trained_logprobs`). Micro-batches: `size`
+    rows and `max_tokens` tokens at most."""
     out = torch.zeros(ro.input_ids.shape, dtype=torch.float32)  # (N, T)
     for rows in passes(len(ro), size, ro.attention_mask.sum(1), max_tokens):
         ids, attn, lm = trim(ro, rows)
@@ -212,17 +212,17 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
                 ids, attn, lm = trim(ro, rows)
                 t = ids.shape[1]
                 ids, attn = ids.to(device), attn.to(device)
-                # logits only from the first trained column on (b, t - s + 1, V), lm_cut their part of lm
-                logp, logits, lm_cut = trained_logprobs(policy, ids, attn, lm, cfg.temperature)  # logp (b, t)
-                lm, lm_cut = lm.float().to(device), lm_cut.float().to(device)
+                # logits (n, V) only where the n trained tokens were drawn, `at` their places in (b, t)
+                logp, logits, at = trained_logprobs(policy, ids, attn, lm, cfg.temperature)  # logp (b, t)
+                lm = lm.float().to(device)
                 # micro-batch losses are weighted so their sum is the mini-batch's loss
                 weight = float(units(ro.loss_mask[rows])) / n_units  # counted on the host: no wait
                 # old_logp None: one step on-policy (one_step_on_policy), the sampling policy is this one
                 old = logp.detach() if old_logp is None else old_logp[rows, :t].to(device)
                 pg, clipfrac = policy_loss(logp, old, adv[rows, :t].to(device), lm, cfg.clip_eps, cfg.loss_agg)
                 # mean entropy of the policy tokens; with entropy_coef, a bonus that keeps sampling varied
-                ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), lm_cut), lm_cut,
-                                cfg.loss_agg)
+                ent = aggregate(masked_entropy(logits if cfg.entropy_coef else logits.detach(), at, lm.shape,
+                                               cfg.temperature), lm, cfg.loss_agg)
                 loss = pg - cfg.entropy_coef * ent if cfg.entropy_coef else pg
                 ref = logp.detach() if ref_logp is None else ref_logp[rows, :t].to(device)  # None: no reference
                 kl = aggregate(kl_penalty(logp, ref, cfg.kl_kind), lm, cfg.loss_agg)

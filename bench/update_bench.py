@@ -10,7 +10,7 @@ and a small one keeps the 2 x (repeats + 1) steps on random advantages from movi
 Rolls out one GRPO batch with the warm-start policy, then times, alternately and
 `--repeats` times each, (a) `train.update` (clipped policy loss + KL, micro-batches,
 gradient clipping, statistics) and (b) a bare loop over the same micro-batches of the same
-model: forward (the LM head on the trained columns, `models.trained_logprobs`, as update's),
+model: forward (the LM head where policy tokens are predicted, `models.trained_logprobs`, as update's),
 masked token NLL, backward, AdamW step. Reports policy tokens/s of each and
 their ratio (goal >= 0.9), medians over the repeats.
 """
@@ -41,7 +41,7 @@ def bare_step(policy, opt, ro, size: int) -> None:
     n_tok = float(ro.loss_mask.sum())
     for rows in train.micro_batches(len(ro), size, ro.attention_mask.sum(1)):  # as train.update groups them
         ids, attn, lm = train.trim(ro, rows)
-        logp = trained_logprobs(policy, ids, attn, lm)[0]  # (b, t), the LM head on the trained columns, as update's
+        logp = trained_logprobs(policy, ids, attn, lm)[0]  # (b, t), the LM head where trained tokens are drawn
         (-(logp * lm).sum() / n_tok).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -67,8 +67,12 @@ def main() -> None:
     old_logp = train.score_tokens(policy, ro, cfg.micro_batch_size, "cpu", temperature=cfg.temperature)  # (N, T)
     adv = broadcast(torch.randn(len(ro)), ro.loss_mask.float())  # (N, T) values do not change the cost
     n_tok = int(ro.loss_mask.sum())
+    columns = sum(len(rows) * train.trim(ro, rows)[0].shape[1]
+                  for rows in train.micro_batches(len(ro), cfg.micro_batch_size, ro.attention_mask.sum(1)))
     print(f"batch: {len(ro)} trajectories, {int(ro.attention_mask.sum())} tokens, {n_tok} policy tokens, "
-          f"micro-batches of {cfg.micro_batch_size} ([toy] preset, temperature {cfg.temperature})")
+          f"micro-batches of {cfg.micro_batch_size} ([toy] preset, temperature {cfg.temperature}); the LM head "
+          f"runs on the {n_tok} positions that predict a policy token, {n_tok / columns:.0%} of the micro-batches' "
+          f"{columns} columns")
     opt_a, _ = train.make_optimizer(policy.parameters(), cfg.lr, 0.0, 0)
     opt_b = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     t_update, t_bare = [], []

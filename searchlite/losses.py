@@ -1,7 +1,7 @@
 """Token log-probs, masked reductions, PPO policy / value losses and KL estimators.
 
-Pure functions on tensors. `train.py` gets `logp = token_logprobs(logits, input_ids)` from
-`models.trained_logprobs` (the model's logits from the first trained column on) and feeds
+Pure functions on tensors. `train.py` gets `logp` from `models.trained_logprobs` (the LM head
+run only where a trained token is predicted, `picked_logprobs` of its output) and feeds
 `logp`, `old_logp`, `ref_logp`, `adv` and `loss_mask` (all `(B, T)`) to `policy_loss`,
 `kl_penalty` and `aggregate`.
 
@@ -16,7 +16,8 @@ masking): masked entries are selected away with `torch.where`, so whatever sits 
 
 Left out on purpose: dual-clip PPO, asymmetric (clip-higher) ranges, the k2 estimator,
 entropy bonus weighting and loss scaling across micro-batches (the caller owns those).
-`masked_entropy` is computed at the loss-mask positions only, cheap to train on.
+`picked_logprobs` and `masked_entropy` take the head's output at the trained positions only
+(`models.trained_logprobs`), cheap to train on.
 
 >>> logits = torch.zeros(1, 3, 4)            # uniform over 4 tokens
 >>> token_logprobs(logits, torch.tensor([[0, 1, 2]]))
@@ -49,39 +50,69 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return logp
 
 
-def _row_logprobs(row: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Log-probs of `target` (T-1,) under one row of logits (T-1, V) that predicts tokens 1..T-1."""
+def _row_logprobs(row: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of `target` (T-1,) under one row of logits (T-1, V) that predicts tokens 1..T-1,
+    divided by `temperature` after the upcast (bf16 logits divided in bf16 lose ~0.04 nats)."""
     row = row.to(torch.promote_types(row.dtype, torch.float32))  # (T-1, V), bf16 in at least fp32
+    if temperature != 1.0:
+        row = row / temperature
     picked = row.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (T-1,)
     return picked - torch.logsumexp(row, dim=-1)
 
 
-def masked_entropy(logits: torch.Tensor, mask: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Entropy of the distribution that drew each token where `mask` (B, T) is nonzero, 0
-    elsewhere; same alignment as logp: ent[:, t] = H(p(. | input_ids[:, :t])), from
-    logits[:, t - 1], as logsumexp(z) - sum_v softmax(z)_v z_v in (at least) fp32. It is
-    computed at those positions only. With gradients (an entropy bonus), each `chunk` is computed
-    again in backward (torch.utils.checkpoint), so what is kept for backward is the selected
-    logits alone, not two fp32 copies of every position's distribution (18.5 GiB for a 3B run's
-    micro-batch of 8 x 2,048 tokens over Qwen's 151,936 words).
+def picked_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
+                    chunk: int = 1024) -> torch.Tensor:
+    """log p(target[i]) under each row of `logits` (n, V) / `temperature`: the head's output at the
+    n positions that predicted a trained token (`models.trained_logprobs`), `chunk` rows at a
+    time in (at least) fp32, where the temperature divides them (the sampler's distribution:
+    HF and vLLM divide in fp32 too). With gradients, a bf16 chunk's fp32 copy is made again in
+    backward, as in `token_logprobs`. With n = 0 the empty result still hangs on the graph, so a
+    micro-batch without a trained token backpropagates zeros (DDP and FSDP2 ranks stay in step).
 
-    >>> masked_entropy(torch.zeros(1, 3, 4), torch.tensor([[0, 0, 1]]))   # uniform: log 4
+    >>> picked_logprobs(torch.zeros(2, 4), torch.tensor([0, 3]))   # uniform over 4: log 1/4
+    tensor([-1.3863, -1.3863])
+    """
+    recompute = logits.requires_grad and logits.dtype != torch.promote_types(logits.dtype, torch.float32)
+    parts = []
+    for i in range(0, max(1, len(logits)), chunk):  # n = 0: one empty chunk
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            parts.append(checkpoint(_row_logprobs, logits[i:i + chunk], target[i:i + chunk], temperature,
+                                    use_reentrant=False))
+        else:
+            parts.append(_row_logprobs(logits[i:i + chunk], target[i:i + chunk], temperature))
+    return torch.cat(parts)
+
+
+def masked_entropy(logits: torch.Tensor, at: tuple, shape, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """Entropy of the distribution that drew each trained token, (B, T) = `shape`, 0 elsewhere.
+    `logits` (n, V) are the head's output at the n positions that predicted them and `at` =
+    (rows, cols) the tokens' places (`models.trained_logprobs`): with z_i = logits[i] /
+    `temperature`, ent[rows[i], cols[i]] = logsumexp(z_i) - sum_v softmax(z_i)_v z_{i,v}, in (at
+    least) fp32. With gradients (an entropy bonus), each `chunk` is computed again in backward
+    (torch.utils.checkpoint), so what is kept for backward is the logits alone, not two fp32
+    copies of every distribution (18.5 GiB for a 3B run's micro-batch of 8 x 2,048 tokens over
+    Qwen's 151,936 words).
+
+    >>> masked_entropy(torch.zeros(1, 4), (torch.tensor([0]), torch.tensor([2])), (1, 3))  # uniform: log 4
     tensor([[0.0000, 0.0000, 1.3863]])
     """
-    ent = torch.zeros(mask.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-    b, t = mask[:, 1:].nonzero(as_tuple=True)  # token t + 1 was drawn from logits[:, t]
-    z = logits[b, t]  # (n, V)
-    if z.requires_grad:
+    ent = torch.zeros(shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    if logits.requires_grad:
         from torch.utils.checkpoint import checkpoint
 
-        parts = [checkpoint(_entropy_rows, z[i:i + chunk], use_reentrant=False) for i in range(0, len(z), chunk)]
+        parts = [checkpoint(_entropy_rows, logits[i:i + chunk], temperature, use_reentrant=False)
+                 for i in range(0, max(1, len(logits)), chunk)]  # n = 0: one empty chunk, on the graph
     else:
-        parts = [_entropy_rows(z[i:i + chunk]) for i in range(0, len(z), chunk)]
-    return ent.index_put((b, t + 1), torch.cat(parts)) if parts else ent
+        parts = [_entropy_rows(logits[i:i + chunk], temperature) for i in range(0, max(1, len(logits)), chunk)]
+    return ent.index_put(at, torch.cat(parts))
 
 
-def _entropy_rows(z: torch.Tensor) -> torch.Tensor:
+def _entropy_rows(z: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     z = z.to(torch.promote_types(z.dtype, torch.float32))  # (n, V), bf16 in at least fp32
+    if temperature != 1.0:
+        z = z / temperature
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 

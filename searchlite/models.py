@@ -34,7 +34,7 @@ from torch import nn
 
 from .config import ConfigError, resolve_path
 from .data import replace_durably
-from .losses import token_logprobs
+from .losses import picked_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,30 +107,42 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return ref
 
 
-def sampled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The logits of the distribution the sampler drew from: logits / temperature, without a
-    (b, t, V) copy at temperature 1 (a 3B micro-batch's is 4.6 GiB in bf16)."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
 def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float = 1.0):
-    """Log-probs of the tokens a loss can train on, with the LM head run only where they are.
+    """Log-probs of the tokens a loss can train on, with the LM head run only where they are drawn.
 
     `mask` (b, t) marks the tokens a loss reads (loss_mask; on the host, it costs the device no
-    wait); s is the first column where any row has one. Returns (logp, logits, mask[:, s - 1:]):
-    logp (b, t) = log p(input_ids[:, j] | input_ids[:, :j]) under logits / `temperature` for
-    j >= s, 0 before s; logits (b, t - s + 1, V) those of positions s - 1 .. t - 1, aligned
-    with the cut mask as `losses.masked_entropy` expects. The head (a small model's largest
-    matrix) and the log-softmax skip the columns before s (`logits_to_keep`): 35% of the
-    columns of the toy preset's micro-batches in the first batch of bench/update_bench.py. The
-    values are those of `token_logprobs` over the whole rows.
+    wait). The head (a small model's largest matrix; a large vocabulary's (b, t, V) logits are a
+    big model's largest activation) and the log-softmax see only the n hidden states that predict
+    a marked token: not the prompt, the retrieved passages or the padding. In the first batch of
+    bench/update_bench.py that is 23% of the toy preset's micro-batches' columns (65% from the
+    first trained column on, where the head ran before). A forward pre-hook on the head
+    (`output_head`) picks them, so DDP, FSDP2 and peft wrap the model unchanged.
+    Returns (logp, logits, at): logp (b, t) = log p(input_ids[:, j] |
+    input_ids[:, :j]) under logits / `temperature` (divided in fp32, `losses.picked_logprobs`)
+    where mask[:, j] is set (j >= 1), 0 elsewhere; logits (n, V), the head's output; at = (rows,
+    cols) of the n tokens, as `losses.masked_entropy` takes them. The values are those of
+    `token_logprobs` over the whole rows.
     """
-    t = input_ids.shape[1]
-    s = max(1, int(mask.any(0).int().argmax()))  # no token to train: s = 1, every position
-    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=t - s + 1)
-    logits = sampled_logits(out.logits, temperature)  # (b, t - s + 1, V)
-    logp = torch.nn.functional.pad(token_logprobs(logits, input_ids[:, s - 1:])[:, 1:], (s, 0))  # (b, t)
-    return logp, logits, mask[:, s - 1:]
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)  # token cols + 1 was drawn from position cols
+    rows, cols = rows.to(input_ids.device), cols.to(input_ids.device)
+    hook = output_head(model).register_forward_pre_hook(lambda head, args: (args[0][rows, cols], *args[1:]))
+    try:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (n, V)
+    finally:
+        hook.remove()
+    if logits.dim() == 3:  # a model that calls no head module: pick from its whole rows' logits
+        logits = logits[rows, cols]
+    at = (rows, cols + 1)
+    logp = torch.zeros(input_ids.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    return logp.index_put(at, picked_logprobs(logits, input_ids[at], temperature)), logits, at
+
+
+def output_head(model) -> nn.Module:
+    """The LM head of a causal LM, also under DDP, peft and a LoRA run's reference (whose other
+    attributes are the policy's)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model.get_output_embeddings()
 
 
 class Critic(nn.Module):

@@ -9,6 +9,7 @@ from searchlite.losses import (
     aggregate,
     kl_penalty,
     masked_entropy,
+    picked_logprobs,
     masked_mean,
     masked_whiten,
     policy_loss,
@@ -75,11 +76,57 @@ def test_token_logprobs_bf16_gradient_keeps_no_fp32_copy():
     assert sum(kept) < (T - 1) * V * 4  # less than one fp32 row in all (B rows of it before)
 
 
+def entropy_at_mask(logits, mask, chunk: int = 1024):
+    """masked_entropy from whole rows' logits (B, T, V), picked where a masked token is predicted
+    as `models.trained_logprobs` picks them."""
+    b, t = mask[:, 1:].nonzero(as_tuple=True)  # token t + 1 was drawn from logits[:, t]
+    return masked_entropy(logits[b, t], (b, t + 1), mask.shape, chunk=chunk)
+
+
+def test_picked_logprobs_match_token_logprobs_with_their_gradient():
+    """On the picked positions, values and gradients equal token_logprobs' over whole rows, in
+    fp64 and in bf16 (whose chunks are upcast again in backward), also over several chunks."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, V = 3, 7, 50
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    mask = (torch.rand(B, T, generator=gen) < 0.6).int()
+    mask[:, 0] = 0
+    b, t = mask[:, 1:].nonzero(as_tuple=True)
+    w = torch.randn(len(b), generator=gen, dtype=f64)
+    for dtype in (f64, torch.bfloat16):
+        base = (torch.randn(B, T, V, generator=gen, dtype=f64) * 3).to(dtype)
+        whole, picked = base.clone().requires_grad_(), base.clone().requires_grad_()
+        want = token_logprobs(whole, ids)[b, t + 1]
+        got = picked_logprobs(picked[b, t], ids[b, t + 1], chunk=4)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        (want * w.to(want.dtype)).sum().backward()
+        (got * w.to(got.dtype)).sum().backward()
+        torch.testing.assert_close(picked.grad, whole.grad, atol=ATOL, rtol=0)
+        assert whole.grad.abs().sum() > 0
+    assert picked_logprobs(torch.zeros(0, V), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+def test_temperature_divides_bf16_logits_after_the_upcast():
+    """log-probs and entropy at temperature 0.7 of bf16 logits are those of their fp32 values / 0.7
+    (as HF and vLLM sample), not of the logits divided in bf16 (~0.04 nats off on average)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(64, 300, generator=gen) * 4 + 10).bfloat16()  # (n, V), around 10 as a model's
+    target = torch.randint(0, 300, (64,), generator=gen)
+    exact = logits.double() / 0.7
+    want = exact.gather(1, target[:, None])[:, 0] - exact.logsumexp(1)
+    torch.testing.assert_close(picked_logprobs(logits, target, 0.7).double(), want, atol=1e-5, rtol=0)
+    in_bf16 = picked_logprobs(logits / 0.7, target).double()
+    assert (in_bf16 - want).abs().mean() > 1e-3  # the bf16 division this avoids
+    rows = torch.arange(64)
+    ent = masked_entropy(logits, (rows, torch.zeros(64, dtype=torch.long)), (64, 1), 0.7)[:, 0]
+    torch.testing.assert_close(ent.double(), torch.distributions.Categorical(logits=exact).entropy(), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("chunk", [1024, 3, 2])  # 10 positions: one chunk; 3, 3, 3, 1; five of 2
 def test_entropy_matches_categorical(chunk):
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 6, 9, generator=gen, dtype=f64) * 3  # (B, T, V), no grad: the plain chunked path
-    ent = masked_entropy(logits, torch.ones(2, 6), chunk=chunk)
+    ent = entropy_at_mask(logits, torch.ones(2, 6), chunk=chunk)
     ref = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
     torch.testing.assert_close(ent[:, 1:].double(), ref, atol=ATOL, rtol=0)
     assert torch.all(ent[:, 0] == 0)
@@ -93,7 +140,7 @@ def test_masked_entropy_is_the_entropy_at_the_mask_with_its_gradient():
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 1, 1, 0]], dtype=f64)  # 6 policy tokens
     full = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
     want = torch.cat([torch.zeros(2, 1, dtype=f64), full], 1) * mask
-    got = masked_entropy(logits, mask, chunk=4)
+    got = entropy_at_mask(logits, mask, chunk=4)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     weights = torch.randn(2, 6, generator=gen, dtype=f64)
     g_want, = torch.autograd.grad((want * weights).sum(), logits)
@@ -101,7 +148,7 @@ def test_masked_entropy_is_the_entropy_at_the_mask_with_its_gradient():
     torch.testing.assert_close(g_got, g_want, atol=ATOL, rtol=0)
     # logits[0, 0] predicts token 1, masked out: no gradient; logits[0, 2] predicts token 3, a policy token
     assert g_got[0, 0].abs().sum() == 0 and g_got[0, 2].abs().sum() > 0
-    assert masked_entropy(logits.detach(), torch.zeros(2, 6)).abs().sum() == 0
+    assert entropy_at_mask(logits.detach(), torch.zeros(2, 6)).abs().sum() == 0
 
 
 # --- masked reductions and aggregation ---------------------------------------------
@@ -243,7 +290,7 @@ def test_masked_positions_get_no_gradient(mode):
         logp = token_logprobs(logits, ids)
         pg, _ = policy_loss(logp, old_logp, adv, loss_mask, clip_eps=0.2, mode=mode)
         kl = aggregate(kl_penalty(logp, ref_logp, "k3"), loss_mask, mode)
-        ent = aggregate(masked_entropy(logits, loss_mask), loss_mask, mode)
+        ent = aggregate(entropy_at_mask(logits, loss_mask), loss_mask, mode)
         loss = pg + 0.1 * kl - 0.01 * ent
         loss.backward()
         return loss.detach(), logits.grad

@@ -238,9 +238,10 @@ def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
         assert not torch.allclose(got, token_logprobs(logits, ids), atol=1e-3)
 
 
-def test_trained_logprobs_runs_the_head_on_the_trained_columns_only(tiny_llama):
+def test_trained_logprobs_runs_the_head_where_trained_tokens_are_drawn_only(tiny_llama):
     """Log-probs, their gradient and the entropy are those of the whole rows' logits where the
-    mask is set, while the LM head reads only columns s - 1 .. t - 1 (s: the first trained one)."""
+    mask is set (0 elsewhere), while the LM head reads only the n hidden states that predict a
+    masked token: not the prompt, a passage between two turns, or the padding."""
     from searchlite.losses import masked_entropy, token_logprobs
     from searchlite.models import trained_logprobs
 
@@ -249,24 +250,32 @@ def test_trained_logprobs_runs_the_head_on_the_trained_columns_only(tiny_llama):
     attn = torch.ones_like(ids)
     attn[2, 7:] = 0  # right padding
     mask = torch.zeros_like(ids)
-    mask[0, 4:], mask[1, 6:8], mask[2, 5:7] = 1, 1, 1  # s = 4
+    mask[0, 4:6], mask[0, 8], mask[1, 6:8], mask[2, 5:7] = 1, 1, 1, 1  # row 0: a passage at 6, 7
     seen = []
-    hook = tiny_llama.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
-    logp, logits, cut = trained_logprobs(tiny_llama, ids, attn, mask, temperature=0.7)
+    hook = tiny_llama.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    logp, logits, at = trained_logprobs(tiny_llama, ids, attn, mask, temperature=0.7)
     hook.remove()
-    assert seen == [6] and logits.shape[:2] == (3, 6) and torch.equal(cut, mask[:, 3:])
+    n = int(mask.sum())
+    assert seen == [(n, tiny_llama.config.hidden_size)] and logits.shape == (n, tiny_llama.config.vocab_size)
+    assert torch.equal(torch.zeros_like(mask).index_put(at, torch.tensor(1)), mask)
     full_logits = tiny_llama(input_ids=ids, attention_mask=attn).logits / 0.7
     full = token_logprobs(full_logits, ids)
     on = mask.bool()
-    assert torch.allclose(logp[on], full[on], atol=1e-6, rtol=0) and (logp[:, :4] == 0).all()
-    assert torch.allclose(masked_entropy(logits, cut), masked_entropy(full_logits, mask)[:, 3:], atol=1e-6, rtol=0)
+    assert torch.allclose(logp[on], full[on], atol=1e-6, rtol=0) and (logp[~on] == 0).all()
+    b, t = mask[:, 1:].nonzero(as_tuple=True)
+    want_ent = masked_entropy(full_logits[b, t], (b, t + 1), mask.shape)
+    assert torch.allclose(masked_entropy(logits, at, mask.shape, 0.7), want_ent, atol=1e-6, rtol=0)
     params = list(tiny_llama.parameters())
     got = torch.autograd.grad((logp * mask).sum(), params)
     want = torch.autograd.grad((full * mask).sum(), params)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(got, want))
     assert any(a.abs().sum() > 0 for a in got)
-    raw, raw_logits, _ = trained_logprobs(tiny_llama, ids, attn, torch.zeros_like(mask))  # nothing trained: all
-    assert raw_logits.shape[1] == 9 and torch.allclose(raw, token_logprobs(full_logits * 0.7, ids), atol=1e-5, rtol=0)
+    none, none_logits, none_at = trained_logprobs(tiny_llama, ids, attn, torch.zeros_like(mask))  # nothing trained
+    assert none_logits.shape[0] == 0 and (none == 0).all()
+    # a micro-batch of such rows (prompts that filled max_len) still backpropagates: zeros
+    loss = none.sum() + masked_entropy(none_logits, none_at, mask.shape).sum()
+    assert all((g == 0).all() for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None)
+    assert not tiny_llama.lm_head._forward_pre_hooks  # the pick is gone: generate() sees every position
 
 
 class _Rows:
