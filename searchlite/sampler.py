@@ -129,13 +129,26 @@ class HFSampler:
         return out
 
     def _generate(self, prompts, stop, max_new, greedy) -> list[list[int]]:
+        """One generate() call per room (the new tokens a row may take: `max_new`, or fewer near the
+        model's context): generate() runs every row of a batch as far as its longest room, which
+        would take a row past its last position and break a model with learned positions (GPT-2,
+        OPT). Rows with the whole `max_new` go first, in one call, as they would alone."""
         if not prompts:
             return []
-        device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
         rooms = [max_new if self.max_model_len is None else min(max_new, self.max_model_len - len(p)) for p in prompts]
         if min(rooms) <= 0:
             raise PromptTooLong(max(len(p) for p in prompts), self.max_model_len)
+        out = [None] * len(prompts)
+        for room in sorted(set(rooms), reverse=True):
+            rows = [i for i, r in enumerate(rooms) if r == room]
+            for i, new in zip(rows, self._generate_rows([prompts[i] for i in rows], stop, room, greedy)):
+                out[i] = new
+        return out
+
+    def _generate_rows(self, prompts, stop, room, greedy) -> list[list[int]]:
+        """At most `room` new tokens for each of `prompts`, in one generate() call."""
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
         mask = torch.zeros_like(ids)  # (B, P) 1 = real prompt token
         for i, p in enumerate(prompts):
@@ -151,7 +164,7 @@ class HFSampler:
         hf.generation_config = _plain_generation_config(saved)
         try:
             seqs = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(rooms),
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=room,
                 do_sample=not greedy, temperature=self.temperature if not greedy else None,
                 top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
                 stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
@@ -160,4 +173,4 @@ class HFSampler:
             self.model.train(was_training)
             hf.generation_config = saved
         new = seqs[:, width:].cpu()  # (B, new)
-        return [new[i, : min(recorder.done_at[i] or new.shape[1], rooms[i])].tolist() for i in range(len(prompts))]
+        return [new[i, : recorder.done_at[i] or new.shape[1]].tolist() for i in range(len(prompts))]

@@ -225,6 +225,24 @@ def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
     assert ro.turns.tolist() == [1] and int(ro.loss_mask[0].nonzero().max()) < model.config.max_position_embeddings
 
 
+def test_hf_sampler_keeps_a_learned_position_model_inside_its_context(byte_tokenizer):
+    """GPT-2 has a position embedding for each of its n_positions and none past them: a row with 3
+    positions left goes in a generate() call of its own (in one batch with a row that has 12 left,
+    it would run 12 and index past the table), and each row gets the tokens it gets alone."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = byte_tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=100, n_embd=32, n_layer=2, n_head=2,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    sampler = HFSampler(model, tok, max_new_tokens=12)
+    prompts = [[7] * 97, [9] * 80, [11] * 97]
+    outs = sampler.generate(prompts, greedy=True)
+    assert [len(o) for o in outs] == [3, 12, 3]
+    assert outs == [sampler.generate([p], greedy=True)[0] for p in prompts]
+
+
 def test_a_sampled_eos_is_trained_on_and_the_padding_after_it_is_not(byte_tokenizer):
     """The sampler returns its ids up to and including EOS (sampler.py), and the rollout masks in
     every sampled id: the EOS gets loss_mask 1, so the policy learns where to stop; the right
