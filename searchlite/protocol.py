@@ -70,7 +70,8 @@ class Protocol:
         return self.template.replace("{question}", self.ask(question))
 
     def parse(self, text: str) -> Action:
-        """The action of one generated segment: the first complete search or answer.
+        """The action of one generated segment: the first complete search or answer (for
+        R1-Searcher++, the last `\\boxed{}` closed before the first search tag, else the search).
 
         An empty answer or query is an invalid action (the model is told so and may go on), where
         Search-R1's `postprocess_predictions` ends the trajectory on an empty answer (reward 0)
@@ -86,8 +87,8 @@ class Protocol:
             answer = self.answer_re.search(text)
             answer_at = answer.start() if answer else None
             answer_text = answer.group(1) if answer else None
-        else:
-            answer_at, answer_text = _last_boxed(text)
+        else:  # the last \boxed{} closed before the first search opens; with no search, the last of all
+            answer_at, answer_text = _last_boxed(text[:search.start()] if search else text)
         if search and (answer_at is None or search.start() < answer_at):
             query = " ".join(search.group(1).split())[:MAX_QUERY_CHARS]
             return Action("search", query) if query else Action("invalid")
@@ -128,7 +129,9 @@ class Protocol:
         return head + body[:room] + tail
 
     def format_ok(self, response: str) -> bool:
-        """Whether a whole response is well formed (R1-Searcher++'s format reward, §4.2.1)."""
+        """Whether a whole response is well formed (R1-Searcher++'s format reward, §4.2.1). For
+        R1-Searcher++: one tag span open at a time, each closed by its own tag, and one non-empty
+        `\\boxed{}` after which no span opens (a search written after the answer is never run)."""
         if self.answer_re is not None:
             answers = self.answer_re.findall(response)
             opens = response.count("<answer>")
@@ -139,8 +142,10 @@ class Protocol:
                  "<|begin_external_search|>": "<|end_external_search|>"}
         if not _spans_ok(response, pairs):
             return False
-        _, boxed = _last_boxed(response)
-        return boxed is not None and bool(boxed.strip()) and response.count("\\boxed{") == 1
+        at, boxed = _last_boxed(response)
+        if boxed is None or not boxed.strip() or response.count("\\boxed{") != 1:
+            return False
+        return not any(tag in response[at:] for tag in pairs)  # the answer is the last action: nothing opens after it
 
 
 def _spans_ok(text: str, pairs: dict[str, str]) -> bool:

@@ -31,7 +31,8 @@ The paper released no code, so these choices are ours (and read off its text):
   correct rollouts only, the other reading); ties for the fewest searches all get R_group
   (rewards.group_reward);
 - well formed = the protocol's tag check (Protocol.format_ok: one tag span open at a time, each
-  closed by its own tag, one non-empty \boxed{}) on the policy's own text, after cutting out
+  closed by its own tag, one non-empty \boxed{} and no span opened after it) on the policy's own
+  text, after cutting out
   the result blocks the environment inserted, with no result tags the model wrote itself and no
   invalid action (the injected correction message); R_format also needs a final answer;
 - one rewrite per correct rollout that searched, its passages each once; a rewrite is kept
@@ -65,7 +66,8 @@ from .rollout import Rollout, _collate, encode_prompt, rollout
 from .sft import sft_loss
 
 # Words a rewrite may not use: the trajectory must read as recalled, not as read (§4.2.2).
-GIVEAWAY = re.compile(r"\b(documents?|passages?|notes?|provided|search results?|retriev\w*)\b", re.I)
+GIVEAWAY = re.compile(r"\b(documents?|passages?|notes?|provided|search results?|retriev\w*|doc ?\d+|according to|"
+                      r"context|sources?)\b|title:", re.I)  # "Doc 1(Title: t)": how the passages were shown
 INTERNAL_OPEN = "<|begin_internal_answer|>"  # a rewrite must recall with it at least once
 
 

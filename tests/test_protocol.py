@@ -56,8 +56,10 @@ def naive_format_ok(p, text: str) -> bool:
             open_tag = None
         i += len(tag)
     boxes = occurrences(text, "\\boxed{")
-    if open_tag is not None or len(boxes) != 1:  # ...and exactly one \boxed{}, closed, with an answer in it
+    if open_tag is not None or len(boxes) != 1:  # ...and exactly one \boxed{}, closed, with an answer in it...
         return False
+    if any(occurrences(text, tag) and occurrences(text, tag)[-1] > boxes[0] for tag in PP_SPANS):
+        return False  # ...after which no span opens
     depth = 0
     for j in range(boxes[0] + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
@@ -120,6 +122,12 @@ def test_long_query_is_cut():
     ("\\boxed{first} then \\boxed{second}", Action("answer", "second")),  # the last boxed answer
     ("\\boxed{unclosed", Action("invalid")),
     ("<|begin_external_search|> q", Action("invalid")),
+    # in text order: an answer closed before the search opens ends the trajectory...
+    ("\\boxed{a} <|begin_external_search|> q \\boxed{b} <|end_external_search|>", Action("answer", "a")),
+    ("\\boxed{a} <|begin_external_search|> q <|end_external_search|> \\boxed{b}", Action("answer", "a")),
+    # ...and one that opens after it, or inside the query, does not
+    ("<|begin_external_search|> q <|end_external_search|> \\boxed{b}", Action("search", "q")),
+    ("<|begin_external_search|> q \\boxed{b} <|end_external_search|>", Action("search", "q \\boxed{b}")),
 ])
 def test_r1_searcher_pp_cases(text, expect):
     assert PP.parse(text) == expect
@@ -166,6 +174,10 @@ def test_format_ok():
     assert not PP.format_ok("<|begin_internal_answer|> a <|end_external_search|> \\boxed{a}")  # the wrong close
     assert not PP.format_ok("<|begin_internal_answer|> <|begin_internal_answer|> a <|end_internal_answer|> "
                             "<|end_internal_answer|> \\boxed{a}")
+    # the answer is the last action: a search (or recall) written after it is never run
+    assert not PP.format_ok(f"{ia} \\boxed{{a}} Let me check. {ea}")
+    assert not PP.format_ok(f"\\boxed{{a}} {ia}")
+    assert PP.format_ok("<|begin_internal_answer|> so \\boxed{a} <|end_internal_answer|>")  # inside its span
 
 
 def test_template_from_file(tmp_path):

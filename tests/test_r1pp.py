@@ -55,6 +55,8 @@ def test_well_formed():
     assert not r1pp.well_formed("<|end_internal_answer|> x <|begin_internal_answer|> \\boxed{x}", PP)  # order
     # result tags the model wrote itself (not after a search call)
     assert not r1pp.well_formed("<|begin_search_result|> made up <|end_search_result|> \\boxed{paris}", PP)
+    # a search written after the answer: the rollout ended at the answer, the search never ran
+    assert not r1pp.well_formed(internal("paris") + " Let me check. <|begin_external_search|> q <|end_external_search|>", PP)
     # an invalid action: the rollout injected its correction message
     assert not r1pp.well_formed("oops" + PP.invalid_message + internal("paris"), PP)
     # a real tokenizer's last token may run past the stop string (SmolLM2's ">.", ">,"; "|>\n"): the
@@ -305,9 +307,10 @@ def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
         "q-result": [good.replace("\nSo ", "\n<|begin_search_result|> Paris <|end_search_result|>\nSo ")],
         "q-wrong": [internal("lyon")],
         "q-giveaway": ["The documents say so. " + good],  # mentions what it was shown
+        "q-label": ["According to Doc 1(Title: Paris), " + good],  # or the label the passages were shown with
         "q-bare": ["So \\boxed{paris}."],  # right, but recalls nothing with the internal-answer tags
     }
-    for name in ("q-search", "q-result", "q-giveaway"):  # each answers "paris"; its fault alone rejects it
+    for name in ("q-search", "q-result", "q-giveaway", "q-label"):  # each answers "paris"; its fault alone rejects it
         text = rewrites[name][0]
         assert PP.parse(text).content == "paris" and not r1pp.keep_rewrite(text, ["Paris"], PP), name
     rows = [(searched("paris"), "paris", 1) for _ in rewrites]
@@ -318,7 +321,7 @@ def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
     sampler = ScriptedSampler(tok, {**rewrites, "q-wrongrollout": [internal("paris")]})
     template = r1pp.rewrite_template(PP, "toy")
     mem, tried = r1pp.memorization_batch(sampler, tok, PP, template, ro, questions, chat_template=False)
-    assert tried == 6  # one rewrite per correct rollout that searched
+    assert tried == 7  # one rewrite per correct rollout that searched
     assert all(p.count("The capital of Fooland is Paris.") == 1 for p in sampler.prompts)  # documents in context, once
     assert len(mem) == 1 and mem.answers == ["paris"] and mem.searches.tolist() == [0]
     ids, lm = mem.input_ids[0][mem.attention_mask[0].bool()], mem.loss_mask[0][mem.attention_mask[0].bool()]
