@@ -117,11 +117,12 @@ def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float 
     bench/update_bench.py that is 23% of the toy preset's micro-batches' columns (65% from the
     first trained column on, where the head ran before). A forward pre-hook on the head
     (`output_head`) picks them, so DDP, FSDP2 and peft wrap the model unchanged.
-    Returns (logp, logits, at): logp (b, t) = log p(input_ids[:, j] |
-    input_ids[:, :j]) under logits / `temperature` (divided in fp32, `losses.picked_logprobs`)
-    where mask[:, j] is set (j >= 1), 0 elsewhere; logits (n, V), the head's output; at = (rows,
-    cols) of the n tokens, as `losses.masked_entropy` takes them. The values are those of
-    `token_logprobs` over the whole rows.
+
+    Returns (logp, logits, at): logp (b, t) = log p(input_ids[:, j] | input_ids[:, :j]) under
+    logits / `temperature` (divided in fp32, `losses.picked_logprobs`) where mask[:, j] is set
+    (j >= 1), 0 elsewhere; logits (n, V), the head's output; at = (rows, cols) of the n tokens,
+    as `losses.masked_entropy` takes them. The values are those of `token_logprobs` over the
+    whole rows.
     """
     rows, cols = mask[:, 1:].nonzero(as_tuple=True)  # token cols + 1 was drawn from position cols
     rows, cols = rows.to(input_ids.device), cols.to(input_ids.device)

@@ -32,9 +32,9 @@ The paper released no code, so these choices are ours (and read off its text):
   (rewards.group_reward);
 - well formed = the protocol's tag check (Protocol.format_ok: one tag span open at a time, each
   closed by its own tag, one non-empty \boxed{} and no span opened after it) on the policy's own
-  text, after cutting out
-  the result blocks the environment inserted, with no result tags the model wrote itself and no
-  invalid action (the injected correction message); R_format also needs a final answer;
+  text, after cutting out the result blocks the environment inserted, with no result tags the
+  model wrote itself and no invalid action (the injected correction message); R_format also
+  needs a final answer;
 - one rewrite per correct rollout that searched, its passages each once; a rewrite is kept
   when well formed, correct, without search tags or result tags, and without a word (outside the
   answer's own words) that gives away that documents were shown (`GIVEAWAY`);

@@ -132,7 +132,7 @@ class HFSampler:
         """One generate() call per room (the new tokens a row may take: `max_new`, or fewer near the
         model's context): generate() runs every row of a batch as far as its longest room, which
         would take a row past its last position and break a model with learned positions (GPT-2,
-        OPT). Rows with the whole `max_new` go first, in one call, as they would alone."""
+        OPT). Rows with the whole `max_new` go first: with no row near the context, it is one call."""
         if not prompts:
             return []
         rooms = [max_new if self.max_model_len is None else min(max_new, self.max_model_len - len(p)) for p in prompts]
