@@ -369,7 +369,10 @@ def evaluate(args, held: ExitStack) -> dict:
         qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
-            name = name if name not in qa else f"{name}_{len(qa)}"  # two files with one name
+            base, n = name, 1
+            while name in qa:  # two files with one name: name_2, name_3, ..., none that a set already has
+                n += 1
+                name = f"{base}_{n}"
             qa[name], files[name] = read_questions(path)[:args.limit or None], str(Path(path).resolve())
         if not qa:
             raise EvalError(f"--data {args.data!r} names no QA set (comma-separated files or dataset names)")

@@ -268,6 +268,22 @@ def cli(world, out, *extra):
             "--progress", "false", "--out", str(out), *extra]
 
 
+def test_sets_with_one_file_name_keep_their_own_names(world, tmp_path):
+    """a/x, b/x_2 and c/x: the second x becomes x_3, not b's x_2 (whose questions it would replace)."""
+    paths = []
+    for folder, name, n in (("a", "x", 1), ("b", "x_2", 2), ("c", "x", 3)):
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / f"{name}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"id": f"{folder}{i}", "question": f"Town {i}?",
+                                                 "golden_answers": ["river 0"]}) + "\n" for i in range(n)))
+    out = tmp_path / "out"
+    argv = cli(world, out, "--methods", "direct")
+    argv[argv.index("--data") + 1] = ",".join(map(str, paths))
+    evaluate.main(argv)
+    metrics = json.loads((out / "results.json").read_text())["metrics"]
+    assert {name: metrics[name]["direct"]["all"]["n"] for name in ("x", "x_2", "x_3")} == {"x": 1, "x_2": 2, "x_3": 3}
+
+
 def parse_table(text):
     rows = [line.strip("|").split("|") for line in text.strip().splitlines()[2:]]
     return {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
