@@ -197,8 +197,10 @@ class BM25Retriever(Retriever):
                 top, scores = self.index.top_k(self.index.token_ids(tokens), k)
             else:
                 scores = np.asarray(self.index.get_scores(tokens), dtype=np.float64)  # (N,)
-                top = np.argsort(-scores, kind="stable")[:k]  # best first, ties in corpus order
-                top = top[scores[top] > 0]  # no shared term, no hit
+                # no shared term, no hit: told from the passage's terms, not the score's sign (rank_bm25's
+                # idf is 0 for a term in half the passages, and floored where it would be negative)
+                shared = np.flatnonzero([any(t in terms for t in tokens) for terms in self.index.doc_freqs])
+                top = shared[np.argsort(-scores[shared], kind="stable")[:k]]  # best first, ties in corpus order
                 scores = scores[top]
             out.append(_hits(self.passages, top, scores))
         return out

@@ -134,6 +134,16 @@ def test_bm25_empty_unknown_and_long_queries_do_not_raise(bm25):
     assert out[5] == []
 
 
+def test_bm25_a_term_in_half_the_passages_still_finds_them(bm25):
+    """rank_bm25's idf of a term in 2 of 4 passages is 0: those passages still share it, so they
+    are hits (with bm25s, whose idf stays positive, they were all along)."""
+    passages = [Passage(str(i), "", text) for i, text in
+                enumerate(["paris is big", "paris is old", "lyon is small", "rome is far"])]
+    retriever = BM25Retriever(passages, backend=bm25.backend)
+    assert [{h.id for h in hits} for hits in retriever.search(["paris", "old paris"], k=3)] == [{"0", "1"}, {"0", "1"}]
+    assert retriever.search(["old paris"], k=3)[0][0].id == "1"
+
+
 def test_bm25_backends_agree_on_ranking():
     a, b = BM25Retriever(CORPUS, "bm25s"), BM25Retriever(CORPUS, "rank_bm25")
     qs = [q for q, _ in BM25_QUERIES]
