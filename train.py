@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -138,7 +139,7 @@ def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
 # restored from it keep their own, and the data order follows the seed, so a change would be ignored.
 RESUME_FIXED = ("algo", "seed", "optimizer", "lr", "weight_decay", "warmup_steps")
 RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optimizer keeps these
-RESUME_FIXED_LORA = ("lora_alpha", "lora_targets")  # only an adapter keeps these
+RESUME_FIXED_LORA = ("lora_rank", "lora_alpha", "lora_targets")  # only an adapter keeps these
 
 
 RESUME_FREE = ("resume", "steps", "out_dir")  # expected to differ on a resume: not worth a note
@@ -160,6 +161,27 @@ def check_resume(cfg) -> list[str]:
                           "adapter keep the checkpoint's, so resume with those settings, or start a new --out_dir")
     return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in vars(cfg).items()
             if k in saved and k not in RESUME_FREE + keys and saved[k] != v]
+
+
+PREVIOUS_RUN = ("config.json", "metrics.jsonl", "eval", "trajectories")  # with the checkpoint: set aside
+
+
+def set_aside(out: Path, ckpt: Path) -> None:
+    """A fresh run in a folder that holds an earlier run's checkpoint `ckpt` (a forgotten --resume):
+    that checkpoint, config.json, metrics.jsonl, eval/ and trajectories/ become checkpoint.previous,
+    config.previous.json, ... (replacing an older such set), so nothing of it is lost, not even to
+    a Ctrl-C that saves this run's first steps."""
+    moved = []
+    for name in (ckpt.name, *PREVIOUS_RUN):
+        if (out / name).exists():
+            stem, dot, ext = name.partition(".")
+            target = out / (f"{stem}.previous{dot}{ext}" if name != ckpt.name else "checkpoint.previous")
+            if target.is_dir():
+                shutil.rmtree(target)
+            (out / name).replace(target)
+            moved.append(f"{name} -> {target.name}")
+    print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues it "
+          f"instead), and the earlier run is kept: {', '.join(moved)}", flush=True)
 
 
 def compute_rewards(ro, questions) -> torch.Tensor:
@@ -278,14 +300,6 @@ def main(argv=None) -> None:
     found = find_checkpoint(out)
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
         print(f"config:\n{format_config(cfg)}", flush=True)
-        if found and not cfg.resume:  # a forgotten --resume loses nothing before this run's first save
-            for name in ("config.json", "metrics.jsonl"):
-                if (out / name).exists():
-                    (out / name).replace(out / name.replace(".", ".previous.", 1))
-            print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh and replaces it at its "
-                  "first save (--resume continues it instead); its config.json and metrics.jsonl are kept as "
-                  "config.previous.json and metrics.previous.jsonl", flush=True)
-        save_config(cfg, out / "config.json")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -393,7 +407,11 @@ def main(argv=None) -> None:
                       "(a larger --steps trains on)", flush=True)
     elif cfg.resume and dist.is_main():
         print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
-    if dist.is_main():  # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
+    if dist.is_main():  # only now that everything has loaded: a run that stops before this changes no file
+        if found and not cfg.resume:  # a forgotten --resume: the earlier run is set aside, not replaced
+            set_aside(out, found)
+        save_config(cfg, out / "config.json")
+        # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
         write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
     metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None

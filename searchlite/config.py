@@ -356,9 +356,11 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name, low in AT_LEAST.items():
         if used(name) and getattr(cfg, name) < low:
             raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
+    if used("seed") and not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"--seed {cfg.seed}: must be in [0, 2**32) (numpy's seed range)")
     for name, (low, high, closed) in IN_RANGE.items():
         value = getattr(cfg, name)
-        if used(name) and not ((value >= low if closed else value > low) and value <= high):
+        if used(name) and not ((value >= low if closed else value > low) and value <= high and value < math.inf):
             span = f"{'[' if closed else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
             raise ConfigError(f"--{name} {value}: must be in {span}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda

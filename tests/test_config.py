@@ -227,6 +227,9 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--gamma", "1.01"), "--gamma 1.01: must be in [0, 1]"),
     (("--kl_coef", "-0.001"), "--kl_coef -0.001: must be in [0, inf)"),
     (("--eta", "nan"), "--eta nan: must be in [0, inf)"),
+    (("--temperature", "inf"), "--temperature inf: must be in (0, inf)"),
+    (("--seed", "-1"), "--seed -1: must be in [0, 2**32)"),  # numpy refused it only after config.json was written
+    (("--seed", str(2**32)), "--seed 4294967296: must be in [0, 2**32)"),
     (("--train_data", "nowhere/train.jsonl"), "--train_data nowhere/train.jsonl: no such file"),
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),

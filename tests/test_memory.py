@@ -98,6 +98,8 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
     assert (logprobs(merged) - logprobs(base)).abs().max() > 0
     with pytest.raises(SystemExit, match="holds a LoRA adapter"):  # resuming it as a full-weight run
         run(tiny_model, out, steps=3, extra=["--resume"])
+    with pytest.raises(SystemExit, match="lora_rank = 4, this run has 8"):  # or with another rank: before it loads
+        run(tiny_model, out, steps=3, extra=["--lora_rank", "8", "--lora_targets", "q_proj,v_proj", "--resume"])
     from searchlite.memory import main as merge_cli  # python -m searchlite.memory merge: the same merged weights
 
     merge_cli(["merge", str(policy_dir), "--out", str(tmp_path / "merged"), "--dtype", "float32"])
@@ -349,3 +351,4 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
         pytest.skip(f"this allocator already keeps freed 64 MB blocks ({plain} page faults to reuse two)")
     assert faults("on") < plain / 4  # measured here: 32,770 faults a round without; 0 with (4 of 31 rounds fault)
     assert reuse_freed_memory(torch.device("cuda")) is False  # GPU runs: host memory is left to glibc's defaults
+

@@ -164,17 +164,27 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
 
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
-    """A fresh run in a used folder starts metrics.jsonl anew, keeping the earlier one as
-    metrics.previous.jsonl (and says it replaces the old checkpoint); a run interrupted after its last checkpoint and resumed logs the steps it redoes
-    once, not twice."""
+    """A fresh run in a used folder starts metrics.jsonl anew, keeping the earlier run's
+    checkpoint, config.json, metrics.jsonl and eval/ as *.previous, but only once it has loaded
+    everything (a run that stops before changes no file); a run interrupted after its last
+    checkpoint and resumed logs the steps it redoes once, not twice."""
     out, before = tmp_path / "run", signal.getsignal(signal.SIGINT)
     train.main(args(tiny_model, out, "grpo", steps=1))
     assert "holds a checkpoint" not in capsys.readouterr().out
-    first = (out / "metrics.jsonl").read_text()
+    first, config = (out / "metrics.jsonl").read_text(), (out / "config.json").read_text()
+    weights = (out / "checkpoint" / "policy" / "model.safetensors").read_bytes()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):  # a run that fails as it loads its data
+        train.main(args(tiny_model, out, "grpo", steps=1, extra=["--train_data", str(bad), "--lr", "0.5"]))
+    assert (out / "metrics.jsonl").read_text() == first and (out / "config.json").read_text() == config
+    assert not list(out.glob("*.previous*"))
     train.main(args(tiny_model, out, "grpo", steps=1))
     assert f"note: {out} holds a checkpoint of an earlier run; this run starts fresh" in capsys.readouterr().out
     assert [r["step"] for r in metrics(out)] == [0, 1]
-    assert (out / "metrics.previous.jsonl").read_text() == first and (out / "config.previous.json").exists()
+    assert (out / "metrics.previous.jsonl").read_text() == first and (out / "config.previous.json").read_text() == config
+    assert (out / "checkpoint.previous" / "policy" / "model.safetensors").read_bytes() == weights
+    assert (out / "eval.previous" / "step_000000.jsonl").exists() and (out / "eval" / "step_000000.jsonl").exists()
     rewards, calls = train.compute_rewards, []
 
     def interrupted(ro, qs):  # step 4's rewards: an interrupt after step 3 was logged, with the checkpoint at 2
