@@ -204,6 +204,14 @@ def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
         raise OSError(f"{adapter_dir} is a LoRA adapter whose base model {base!r} cannot be loaded "
                       f"({str(e).splitlines()[0]}); pass the base with `python -m searchlite.memory merge "
                       f"{adapter_dir} --base PATH --out DIR`") from None
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets  # "all-linear" leaves lm_head alone
+    if getattr(model.config, "tie_word_embeddings", False) and any(
+            t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") for t in targets):
+        # the adapter trained one of the two tied matrices alone: untie them, or the merge would change both
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        model.config.tie_word_embeddings = False
     merged = _peft().PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     return merged.requires_grad_(True)  # peft froze the base for inference; a plain model trains in full
 

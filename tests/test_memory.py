@@ -352,3 +352,31 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
     assert faults("on") < plain / 4  # measured here: 32,770 faults a round without; 0 with (4 of 31 rounds fault)
     assert reuse_freed_memory(torch.device("cuda")) is False  # GPU runs: host memory is left to glibc's defaults
 
+
+@pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens"])
+def test_merging_an_adapter_on_a_tied_matrix_gives_the_trained_model(tmp_path, targets):
+    """With tied embeddings, a LoRA on lm_head (or embed_tokens) trains that use of the shared matrix
+    alone; the merged model (what evaluate.py and `memory merge` load) gives the adapter model's
+    logits, also after save_pretrained and a reload, instead of changing the other use too."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from searchlite.memory import load_merged
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    base.save_pretrained(tmp_path / "base")
+    lora = add_lora(base, 4, 8.0, targets)
+    for name, w in lora.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(w, std=0.3)  # lora_B starts at zero: make the adapter change something
+    lora.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lora(input_ids=ids).logits
+        merged = load_merged(tmp_path / "adapter", base=str(tmp_path / "base"))
+        assert (want - LlamaForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits).abs().max() > 0.1
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        merged.save_pretrained(tmp_path / "merged")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-5, rtol=0)
