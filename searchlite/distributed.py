@@ -328,12 +328,16 @@ def gathered(model: nn.Module | None):
 def full_state_dict(model: nn.Module | None) -> dict | None:
     """FSDP2: the model's full weights, as CPU tensors on rank 0 ({} on the others), for
     save_pretrained(state_dict=...); a collective, call it on every rank. Otherwise None: the
-    module itself holds its full weights."""
+    module itself holds its full weights. A parameter shared by two names (tied embeddings) is
+    kept once, under its first name, as save_pretrained keeps it from an unsharded model: the
+    gathered copies are separate tensors, and a 3B model's embeddings would be written twice."""
     if not is_sharded(model):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    once = {name for name, _ in model.named_parameters()}  # a shared parameter under its first name only
+    return {k: v for k, v in full.items() if k in once or k not in dict(model.named_parameters(remove_duplicate=False))}
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -154,6 +154,7 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
                                          model_dir=model_dir, mode=mode)
     out["reductions"] = reductions(batch, mine)
     out["optimizer"] = optimizer_round_trip(batch, mine, model_dir)
+    out["tied"] = tied_full_state_dict(model_dir)
     if rank == 0:
         torch.save(out, Path(tmp) / "outputs.pt")
     dist.close()
@@ -172,6 +173,22 @@ def reductions(batch: dict, mine: list[int]) -> dict:
         "uneven_mean": dist.mean(uneven),
         "eval_shares": dist.gather_objects(dist.shard(list(range(7)), even=False)),
     }
+
+
+def tied_full_state_dict(model_dir: str) -> dict:
+    """The embedding keys of full_state_dict() of a model with tied embeddings under FSDP2 (rank 0's;
+    the others get none), and whether its shared tensor is the whole model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    whole = model.get_input_embeddings().weight.detach().clone()
+    dist.wrap_model(model, "fsdp", torch.device("cpu"))
+    state = dist.full_state_dict(model)
+    keys = sorted(k for k in state if "embed" in k or "lm_head" in k)
+    return {"keys": keys, "equal": all(torch.equal(state[k], whole) for k in keys)}
 
 
 def optimizer_round_trip(batch: dict, mine: list[int], model_dir: str) -> dict:
@@ -334,6 +351,12 @@ def test_cross_rank_reductions(setup):
     assert torch.allclose(torch.cat(red["reinforce_baseline"]), group_advantages(scores, 1), atol=1e-6)
     assert red["uneven_mean"] == pytest.approx((0 + 1 + 2 + 10 + 11 + 12 + 13 + 14) / 8)  # not (1 + 12) / 2
     assert red["eval_shares"] == [[0, 1, 2], [3, 4, 5, 6]]
+
+
+def test_fsdp_checkpoint_of_tied_embeddings_holds_them_once(setup):
+    """The gathered copies of a shared matrix are separate tensors: without the dedup both names
+    were saved (a 3B model's embeddings twice); now only the first, as save_pretrained keeps it."""
+    assert setup[2]["tied"] == {"keys": ["model.embed_tokens.weight"], "equal": True}
 
 
 def test_fsdp_optimizer_state_is_one_process_format(setup):
