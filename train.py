@@ -191,14 +191,20 @@ def compute_rewards(ro, questions) -> torch.Tensor:
 
 def check_finite(step: int, **values) -> None:
     """A FloatingPointError naming the first of `values` (numbers, tensors or lists of 0-d tensors)
-    that holds a NaN or an infinity."""
+    that holds a NaN or an infinity. Under torchrun every rank raises when one does (a collective,
+    so every rank calls it at the same points): a rank that went on alone would wait in the next
+    collective for one that has stopped."""
+    bad = None
     for name, v in values.items():
         if isinstance(v, list) and not v:
             continue
         v = torch.stack(v) if isinstance(v, list) else torch.as_tensor(v)
         if not torch.isfinite(v).all():
-            raise FloatingPointError(f"step {step}: {name} is not finite ({v.flatten()[:4].tolist()}...); "
-                                     "the last good checkpoint is kept, nothing was saved for this step")
+            bad = f"{name} is not finite ({v.flatten()[:4].tolist()}...)"
+            break
+    if dist.all_max(bad is not None):
+        raise FloatingPointError(f"step {step}: {bad or 'another process found a value that is not finite'}; "
+                                 "the last good checkpoint is kept, nothing was saved for this step")
 
 
 def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=None, critic_opt=None,

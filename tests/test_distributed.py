@@ -155,6 +155,12 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
     out["reductions"] = reductions(batch, mine)
     out["optimizer"] = optimizer_round_trip(batch, mine, model_dir)
     out["tied"] = tied_full_state_dict(model_dir)
+    try:  # a NaN on rank 1 alone stops both ranks
+        train.check_finite(3, loss=[torch.tensor(float("nan") if rank == 1 else 1.0)])
+        out["nan"] = None
+    except FloatingPointError as e:
+        out["nan"] = str(e)
+    out["nan"] = dist.gather_objects(out["nan"])
     if rank == 0:
         torch.save(out, Path(tmp) / "outputs.pt")
     dist.close()
@@ -351,6 +357,12 @@ def test_cross_rank_reductions(setup):
     assert torch.allclose(torch.cat(red["reinforce_baseline"]), group_advantages(scores, 1), atol=1e-6)
     assert red["uneven_mean"] == pytest.approx((0 + 1 + 2 + 10 + 11 + 12 + 13 + 14) / 8)  # not (1 + 12) / 2
     assert red["eval_shares"] == [[0, 1, 2], [3, 4, 5, 6]]
+
+
+def test_a_value_that_is_not_finite_on_one_rank_stops_every_rank(setup):
+    rank0, rank1 = setup[2]["nan"]
+    assert rank1.startswith("step 3: loss is not finite ([nan]") and rank0.startswith(
+        "step 3: another process found a value that is not finite")
 
 
 def test_fsdp_checkpoint_of_tied_embeddings_holds_them_once(setup):
