@@ -136,8 +136,9 @@ def batch_questions(qa: list, step: int, batch_size: int, seed: int) -> list:
 
 
 # Settings a resumed run must share with its checkpoint: the optimizer, schedule and LoRA adapter
-# restored from it keep their own, and the data order follows the seed, so a change would be ignored.
-RESUME_FIXED = ("algo", "seed", "optimizer", "lr", "weight_decay", "warmup_steps")
+# restored from it keep their own, so a change would be ignored, and the data order follows the seed
+# and batch_size (step k's questions start at k x batch_size: another size would skip or repeat some).
+RESUME_FIXED = ("algo", "seed", "batch_size", "optimizer", "lr", "weight_decay", "warmup_steps")
 RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optimizer keeps these
 RESUME_FIXED_LORA = ("lora_rank", "lora_alpha", "lora_targets")  # only an adapter keeps these
 
@@ -157,8 +158,9 @@ def check_resume(cfg) -> list[str]:
     changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in keys
                if k in saved and norm(k, saved[k]) != norm(k, getattr(cfg, k))]
     if changed:
-        raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule and "
-                          "adapter keep the checkpoint's, so resume with those settings, or start a new --out_dir")
+        raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule, "
+                          "adapter and data order keep the checkpoint's, so resume with those settings, or start a "
+                          "new --out_dir")
     return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in vars(cfg).items()
             if k in saved and k not in RESUME_FREE + keys and saved[k] != v]
 

@@ -126,6 +126,8 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
     train.main(args(tiny_model, out, "grpo", steps=1, extra=["--warmup_steps", "2"]))
     with pytest.raises(SystemExit, match=r"was trained with lr = 0.01, this run has 0.001; its optimizer"):
         train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--lr", "1e-3"]))
+    with pytest.raises(SystemExit, match=r"batch_size = 2, this run has 4; .* data order"):  # step k's questions move
+        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--batch_size", "4"]))
     capsys.readouterr()
     train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume",
                                                              "--kl_coef", "0.01",  # this one applies
