@@ -20,8 +20,9 @@ Per question (rewards.py): `em`, `f1`, `cover_em` (R1-Searcher++'s ACC_R: a gold
 the prediction, however long; the training reward's 10-word cap is not applied), `searches`
 (retrieval calls, R1-Searcher++'s RC), `answered` (an answer was produced), `length` (words in
 the answer, 0 without one) and, with a judge (judge.py), `judge` (R1-Searcher++'s LasJ).
-`summarize` averages them over all questions and per question type (`meta["type"]`, e.g. the
-toy world's 1hop / 2hop).
+`summarize` averages them over all questions and per question type (`question_type`: a line's
+`type`, e.g. the toy world's 1hop / 2hop, or its `metadata.type`, where FlashRAG's HotpotQA
+keeps bridge / comparison).
 
 Resume: `RecordLog` appends each finished batch of records to a JSONL file, flushed and
 fsynced, keyed by (dataset, method, question id); `evaluate_set` skips keys already there.
@@ -182,10 +183,22 @@ def run_batch(method: str, qa: list, sampler, retriever, tokenizer, protocol, *,
     return records
 
 
+def question_type(q) -> str | None:
+    """The question's type: its line's `type`, else `metadata.type` (FlashRAG's HotpotQA and 2Wiki
+    lines keep it there), else None.
+
+    >>> from searchlite.data import QA
+    >>> question_type(QA("1", "q?", ["a"], {"metadata": {"type": "bridge", "level": "hard"}}))
+    'bridge'
+    """
+    nested = q.meta.get("metadata")
+    return q.meta.get("type") or (nested.get("type") if isinstance(nested, dict) else None)
+
+
 def make_record(q, method: str, prediction: str | None, trajectory: str, searches: int, docs: list) -> dict:
     """One question's result: its prediction, every metric, and the text the model produced."""
     return {
-        "id": q.id, "question": q.question, "golden_answers": q.answers, "type": q.meta.get("type"),
+        "id": q.id, "question": q.question, "golden_answers": q.answers, "type": question_type(q),
         "method": method, "prediction": prediction, "em": exact_match(prediction, q.answers),
         "f1": f1_score(prediction, q.answers), "cover_em": cover_exact_match(prediction, q.answers, max_words=None),
         "searches": searches, "answered": float(prediction is not None),
