@@ -48,8 +48,12 @@ UNTRAINED = {"protocol": "search_r1", "template": "toy", "chat_template": True} 
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
     """({"protocol", "template", "chat_template"}, its config.json) of the train.py run or
     R1-Searcher++ stage 1 that --model names (the run folder, its checkpoint/policy, or stage 1's
-    model); ({}, None) otherwise."""
+    model); ({}, None) otherwise, and for a name that is no folder or file here (a hub name,
+    'smollm2'), whose parents would be the working folder."""
     path = Path(resolve_path(spec))
+    if not path.exists():
+        return {}, None
+    path = path.resolve()
     for folder in (path, path.parent, path.parent.parent):
         saved = run_config(folder)
         if saved is not None:
@@ -70,8 +74,10 @@ def resolve_model(spec: str) -> tuple[str, str]:
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", str(path)
     if path.is_dir():
-        # train.py's out_dir (checkpoint.old: a save died mid-rename), its checkpoint, a model folder
-        for folder in (path / "checkpoint" / "policy", path / "checkpoint.old" / "policy", path / "policy", path):
+        # train.py's out_dir (checkpoint.old: a save died mid-rename), its checkpoint, R1-Searcher++ stage 1's
+        # out_dir (its model/), a model folder
+        for folder in (path / "checkpoint" / "policy", path / "checkpoint.old" / "policy", path / "policy",
+                       path / "model", path):
             if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():  # (LoRA: adapter)
                 if folder == path and run_config(path) is not None:  # the run's settings, no model yet
                     raise ModelError(f"--model {spec}: this train.py run has no trained policy yet (no "

@@ -25,6 +25,22 @@ def test_model_specs_resolve(tmp_path, monkeypatch):
         model_spec.resolve_model("smollm2")
 
 
+def test_a_stage1_folder_and_names_that_are_no_path(tmp_path, monkeypatch):
+    """R1-Searcher++ stage 1's out_dir (config.json + model/) resolves to its model, with the run's
+    prompt settings; a hub name or 'smollm2' takes none from a run's config.json in the working
+    folder (its parents would be that folder)."""
+    stage1 = tmp_path / "s1"
+    (stage1 / "model").mkdir(parents=True)
+    (stage1 / "model" / "config.json").write_text("{}")
+    run_cfg = {"protocol": "r1_searcher_pp", "template": "toy", "chat_template": False}
+    (stage1 / "config.json").write_text(json.dumps(run_cfg))
+    assert model_spec.resolve_model(str(stage1)) == ("hf", str(stage1 / "model"))
+    assert model_spec.trained_prompt(str(stage1))[0] == run_cfg == model_spec.trained_prompt(str(stage1 / "model"))[0]
+    monkeypatch.chdir(stage1)  # a run's config.json right here
+    for name in ("smollm2", "Qwen/Qwen2.5-3B-Instruct", "nosuch"):
+        assert model_spec.trained_prompt(name) == ({}, None), name
+
+
 def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
