@@ -5,9 +5,9 @@
 
 Why its own tokenizer: the time of a CPU step grows with the vocabulary (the logits) and the
 sequence length; a 2,400-token vocabulary fitted to the world's closed set of words keeps
-every name and year one token and a whole trajectory, passages included, to a few hundred
-tokens. Byte-level BPE still round-trips any text exactly, so the model may write words the
-world never used.
+every word of a name (410 of the 450 names have two) and every year one token, and a whole
+trajectory, passages included, to a few hundred tokens. Byte-level BPE still round-trips any
+text exactly, so the model may write words the world never used.
 
 Both protocols' tags (`TAGS`) are added tokens: each is one id, never split, never stripped,
 and not "special", so `decode` keeps them even with `skip_special_tokens=True`. EOS is
