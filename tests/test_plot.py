@@ -78,3 +78,14 @@ def test_reward_and_em_panels_and_run_labels(tmp_path):
         assert "train EM" not in [ax.get_title() for ax in plt.gcf().axes]  # no run logged em
     finally:
         plt.close("all")
+
+
+def test_without_matplotlib_the_error_says_how_to_get_it(tmp_path, monkeypatch):
+    from searchlite.plot import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.raises(SystemExit, match=r"error: plotting needs matplotlib .*\./setup\.sh plot"):
+        main([str(run), "--out", str(tmp_path / "c.png")])
