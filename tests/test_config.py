@@ -257,6 +257,32 @@ def test_a_program_is_checked_only_on_the_fields_it_reads():
         check_config(cfg)
 
 
+def test_a_preset_for_the_other_program_is_refused():
+    """train.py --preset toy-r1pp-sft ran a 1,005-step GRPO run that ignored every SFT setting (and set
+    stage 1's own out_dir aside); each preset of configs.toml parses for one program and not the other."""
+    from searchlite.config import DEFAULT_PRESETS, read_presets
+    from searchlite.r1pp import STAGE1_FIELDS
+
+    stage1 = dict(prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS)
+    with pytest.raises(ConfigError, match=r"--preset toy-r1pp-sft sets cold_start_sampler, .*which python train.py "
+                                          r"does not read: it is a preset for python -m searchlite.r1pp stage1"):
+        parse_args(["--preset", "toy-r1pp-sft"])
+    with pytest.raises(ConfigError, match=r"--preset toy-r1pp sets algo, .*it is a preset for python train.py"):
+        parse_args(["--preset", "toy-r1pp"], **stage1)
+    programs = {}
+    for name in read_presets(DEFAULT_PRESETS):
+        ok = []
+        for program, kw in (("train", {}), ("stage1", stage1)):
+            try:
+                parse_args(["--preset", name], **kw)
+                ok.append(program)
+            except ConfigError:
+                pass
+        programs[name] = ok
+    assert programs["toy-r1pp-sft"] == programs["r1pp-qwen2.5-7b-sft"] == ["stage1"]
+    assert all(len(ok) == 1 for ok in programs.values()), programs
+
+
 def test_a_missing_stage_1_model_says_to_run_stage_1(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where no stage 1 has run
     got = checked("--preset", "toy-r1pp", "--model", "runs/never-ran/model")
@@ -278,10 +304,24 @@ def test_a_missing_run_in_a_folder_here_is_not_sent_to_the_hub(tmp_path, monkeyp
     from searchlite.config import is_hub_name
 
     monkeypatch.chdir(tmp_path)
-    assert is_hub_name("runs/typo")  # no runs/ here: it could be a hub model
-    (tmp_path / "runs").mkdir()
-    assert not is_hub_name("runs/typo")
+    assert not is_hub_name("runs/typo")  # no runs/ yet (a fresh clone): still where train.py writes, not the hub
+    assert is_hub_name("other/typo")  # a folder that is not here could be a hub model
+    (tmp_path / "other").mkdir()
+    assert not is_hub_name("other/typo")
     assert "--model runs/typo: no such folder" in checked("--model", "runs/typo")
+
+
+def test_a_run_folder_as_model_and_a_missing_vllm_are_named(tmp_path, monkeypatch):
+    import importlib.util
+
+    run = tmp_path / "run"
+    (run / "checkpoint" / "policy").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy"}))
+    assert f"--model {run} is a run's folder, not a model: give {run / 'checkpoint' / 'policy'}" in checked(
+        "--model", str(run))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert "--sampler vllm needs vLLM: ./setup.sh vllm" in checked("--sampler", "vllm")
 
 
 def test_cuda_without_a_gpu_is_refused():
