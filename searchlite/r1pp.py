@@ -240,8 +240,8 @@ STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>-<algo>",
     "batch_size": "questions per rejection-sampling round (each round is appended to rejection_sampling.jsonl)",
     "group": "trajectories sampled per question; the correct, well-formed ones are kept",
-    "micro_batch_size": "trajectories per SFT forward/backward (gradient accumulation within --sft_batch_size); "
-                        "0 = the whole batch at once",
+    "micro_batch_size": "trajectories per SFT forward/backward (gradient accumulation within --sft_batch_size; "
+                        "at least 1, --sft_batch_size for the whole batch at once)",
 }
 
 
