@@ -13,6 +13,7 @@ false, Search-R1's ablation, passages are trained on and coloured so. The prompt
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 
 from .config import ArgumentParser, HelpFormatter, at_least, bool_arg
@@ -90,14 +91,18 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
     ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: a train.py "
+                    "run's own, else the [toy] preset's, 0.7)")
+    ap.add_argument("--max_new_tokens", type=at_least(1), default=None, help="tokens sampled a turn at most "
+                    "(default: a train.py run's own, else the [toy] preset's, 64)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--out", default="trajectories.html", help="output HTML file")
     args = ap.parse_args(argv)
 
-    from .config import resolve_path
+    from .config import DEFAULT_PRESETS, read_presets, resolve_path
     from .data import DataError, read_qa
-    from .model_spec import ModelError, fill_prompt_settings, load_model
+    from .model_spec import ModelError, fill_prompt_settings, load_model, trained_prompt
     from .protocol import get_protocol
     from .retrieval import build_retriever
     from .rewards import exact_match
@@ -118,7 +123,13 @@ def main(argv=None) -> None:
         model, tok = load_model(args.model)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
-    ro = rollout(HFSampler(model, tok, seed=args.seed), retriever, tok, get_protocol(args.protocol, args.template),
+    # sampled as the run was (the toy model's, as the [toy] preset: temperature 1 garbles its names)
+    _, run_config = trained_prompt(args.model)
+    saved = json.loads(run_config.read_text()) if run_config else read_presets(DEFAULT_PRESETS)["toy"]
+    temperature = args.temperature if args.temperature is not None else saved.get("temperature", 1.0)
+    max_new_tokens = args.max_new_tokens or saved.get("max_new_tokens", 500)
+    sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature, max_new_tokens=max_new_tokens)
+    ro = rollout(sampler, retriever, tok, get_protocol(args.protocol, args.template),
                  [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, chat_template=args.chat_template,
                  greedy=args.greedy)
     rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]

@@ -48,6 +48,37 @@ def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
     assert page.count(html.escape(toy)) == 2 and html.escape(paper) not in page
 
 
+def test_the_command_samples_as_the_run_did(tmp_path, monkeypatch):
+    """The toy model is sampled as the [toy] preset samples it (0.7, 64 tokens a turn), a train.py
+    run as its config.json says, and the flags win over both."""
+    import json
+    import shutil
+
+    import searchlite.sampler
+    from searchlite.config import TOY_DIR
+    from searchlite.view import main
+
+    seen = []
+    real = searchlite.sampler.HFSampler.__init__
+
+    def record(self, *a, **kw):
+        seen.append((kw["temperature"], kw["max_new_tokens"]))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(searchlite.sampler.HFSampler, "__init__", record)
+    out = str(tmp_path / "view.html")
+    main(["--n", "1", "--max_turns", "0", "--out", out])
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
+    (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy", "chat_template": True,
+                                                 "temperature": 0.9, "max_new_tokens": 20}))
+    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--out", out])
+    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--temperature", "1", "--max_new_tokens", "8",
+          "--out", out])
+    assert seen == [(0.7, 64), (0.9, 20), (1.0, 8)]
+
+
 def test_unmasked_passages_are_shown_as_trained_on(byte_tokenizer):
     """With mask_retrieved false (Search-R1's ablation) passages are in the loss: the page colours
     them as trained on, and its legend says colour means "in the loss", not "sampled"."""
