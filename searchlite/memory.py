@@ -248,7 +248,8 @@ def main(argv=None) -> None:
     m.add_argument("adapter", help="a LoRA run's checkpoint/policy folder (adapter_config.json)")
     m.add_argument("--out", required=True, help="folder to write the merged model to")
     m.add_argument("--base", default="", help="base model folder or hub name; default: the one it was trained on")
-    m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the merged weights (default bfloat16)")
     args = ap.parse_args(argv)
     if not is_adapter(args.adapter):
         what = "holds full weights, not a LoRA adapter: use it as it is" if (

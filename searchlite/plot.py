@@ -81,7 +81,9 @@ def plot(runs: list[str], out: str) -> Path:
         for ax, (key, title) in zip(axes[0], panels):
             xs, ys = series(rows, key)
             if xs:
-                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=label(run))
+                # evaluations are a few points, and one step's point has no line to show it: both get markers
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") or len(xs) == 1 else None, ms=3,
+                        label=label(run))
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
     axes[0][0].legend(fontsize=8)

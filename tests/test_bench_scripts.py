@@ -2,6 +2,7 @@
 file or a failed child reported in a line or two. Nothing here runs a benchmark."""
 
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import load_bench
@@ -140,3 +141,15 @@ def test_memory_bench_failed_variant_shows_its_output_not_a_deleted_log(monkeypa
     with pytest.raises(SystemExit) as e:
         memory_bench.run_variant("adamw", [], ["--steps", "1"], tmp_path)
     assert "exit 1" in str(e.value) and "the reason" in str(e.value) and str(tmp_path) not in str(e.value)
+
+
+def test_realqa_eval_help_needs_no_data():
+    """--help prints the script's header (what it runs, its environment) even where the data is missing."""
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "realqa_eval.sh"
+    res = subprocess.run(["bash", str(script), "--help"], env={**os.environ, "REALQA": "/nowhere"},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "Environment: REALQA (data folder)" in res.stdout, res.stderr
+    assert "python evaluate.py --help" in res.stdout and "#" not in res.stdout.splitlines()[0]
