@@ -824,9 +824,10 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     # a hedged verdict is not a judge calling the answer right
     ("Partially true.", False), ("Mostly correct.", False), ("It is half-true", False),
     ("Partly false", False), ("The answer is partially correct, so True", True),
-    # a degree word between "not" and the verdict still negates it; alone it does not
+    # "not" with a degree word is a hedge: part of it is wrong, whichever verdict word follows
     ("Not entirely true.", False), ("That's not really true.", False), ("Not necessarily correct", False),
     ("It isn't quite true", False), ("Entirely true.", True), ("Not Lyon but Paris, so True", True),
+    ("Not entirely false.", False), ("Not completely wrong.", False), ("Not necessarily false", False),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
