@@ -10,8 +10,8 @@ answers. Search-R1's client and searchlite's HTTPRetriever both work against it.
 
 Requests are validated against the schema served at /openapi.json: at most `max_queries`
 queries, `topk` 0..100, unknown fields ignored; anything else is answered 422 with a one-line
-`detail` naming the field, or `body` for one that is not JSON in UTF-8 (413 for a body over
-`max_body_bytes`, 411 for one sent without a Content-Length). Concurrent requests are batched:
+`detail` naming the field, or `body` for one that is not JSON (400 for a body that is not
+UTF-8, 413 for one over `max_body_bytes`, 411 for one sent without a Content-Length). Concurrent requests are batched:
 one loop takes every request that arrives within `batch_wait` seconds of the first (up to
 `max_batch` queries), runs a single `retriever.search` over all their queries, once per topk
 among them, in a worker thread, and hands each request its share; that is one encoder pass
@@ -223,9 +223,9 @@ def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_q
         msgs = []
         for e in exc.errors():
             field = ".".join(str(x) for x in e["loc"][1:])
-            if e.get("type") == "json_invalid":  # not JSON, or not UTF-8: its loc is ("body", a character position)
+            if e.get("type") == "json_invalid":  # not JSON: its loc is ("body", a character position)
                 why = (e.get("ctx") or {}).get("error") or e["msg"]
-                msgs.append(f"body: not valid JSON ({why} at character {field}; send a JSON object in UTF-8)")
+                msgs.append(f"body: not valid JSON ({why} at character {field}; send a JSON object)")
             elif field:
                 msgs.append(f"{field}: {e['msg']}")
             else:  # the body as a whole: not a JSON object, or none

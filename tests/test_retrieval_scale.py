@@ -654,9 +654,11 @@ def test_bad_requests_get_422_naming_the_field(served, body, field):
 
 
 def test_malformed_json_and_oversized_body(served):
-    for body in (b'{"queries": [', b"\xff\xfe"):  # cut off; not UTF-8
+    for body in (b'{"queries": [', b"\xff\xfe{}"):  # cut off; UTF-16 (its BOM), which JSON allows
         code, reply = _post(served[0], body)
         assert code == 422 and reply["detail"].startswith("body: not valid JSON ("), reply
+    code, reply = _post(served[0], b'{"queries": ["\xe9"]}')  # a Latin-1 byte: not UTF-8
+    assert code == 400, reply
     from searchlite.server import make_app
 
     with running(make_app(BM25Retriever(read_corpus(TOY)[:5]), max_body_bytes=100)) as url:
