@@ -92,15 +92,15 @@ def main(argv=None) -> None:
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
     ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: a train.py "
-                    "run's own, else the [toy] preset's, 0.7)")
+                    "run's own; the toy warm start's [toy] preset, 0.7; else 1)")
     ap.add_argument("--max_new_tokens", type=at_least(1), default=None, help="tokens sampled a turn at most "
-                    "(default: a train.py run's own, else the [toy] preset's, 64)")
+                    "(default: a train.py run's own; the toy warm start's [toy] preset, 64; else 500)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--out", default="trajectories.html", help="output HTML file")
     args = ap.parse_args(argv)
 
-    from .config import DEFAULT_PRESETS, read_presets, resolve_path
+    from .config import DEFAULT_PRESETS, TOY_DIR, read_presets, resolve_path
     from .data import DataError, read_qa
     from .model_spec import ModelError, fill_prompt_settings, load_model, trained_prompt
     from .protocol import get_protocol
@@ -123,9 +123,12 @@ def main(argv=None) -> None:
         model, tok = load_model(args.model)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
-    # sampled as the run was (the toy model's, as the [toy] preset: temperature 1 garbles its names)
+    # sampled as the run was; the toy warm start as the [toy] preset samples it (temperature 1 garbles its
+    # names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
     _, run_config = trained_prompt(args.model)
-    saved = json.loads(run_config.read_text()) if run_config else read_presets(DEFAULT_PRESETS)["toy"]
+    toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
+    saved = (json.loads(run_config.read_text()) if run_config else
+             read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
     temperature = args.temperature if args.temperature is not None else saved.get("temperature", 1.0)
     max_new_tokens = args.max_new_tokens or saved.get("max_new_tokens", 500)
     sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature, max_new_tokens=max_new_tokens)

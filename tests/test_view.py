@@ -49,8 +49,8 @@ def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
 
 
 def test_the_command_samples_as_the_run_did(tmp_path, monkeypatch):
-    """The toy model is sampled as the [toy] preset samples it (0.7, 64 tokens a turn), a train.py
-    run as its config.json says, and the flags win over both."""
+    """The toy warm start is sampled as the [toy] preset samples it (0.7, 64 tokens a turn), a
+    train.py run as its config.json says, any other model at 1.0 and 500, and the flags win."""
     import json
     import shutil
 
@@ -76,7 +76,9 @@ def test_the_command_samples_as_the_run_did(tmp_path, monkeypatch):
     main(["--model", str(run), "--n", "1", "--max_turns", "0", "--out", out])
     main(["--model", str(run), "--n", "1", "--max_turns", "0", "--temperature", "1", "--max_new_tokens", "8",
           "--out", out])
-    assert seen == [(0.7, 64), (0.9, 20), (1.0, 8)]
+    shutil.copytree(TOY_DIR / "model", tmp_path / "plain")  # a model folder of no run: HFSampler's defaults
+    main(["--model", str(tmp_path / "plain"), "--n", "1", "--max_turns", "0", "--out", out])
+    assert seen == [(0.7, 64), (0.9, 20), (1.0, 8), (1.0, 500)]
 
 
 def test_unmasked_passages_are_shown_as_trained_on(byte_tokenizer):
