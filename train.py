@@ -182,6 +182,7 @@ def set_aside(out: Path, ckpt: Path) -> None:
                 shutil.rmtree(target)
             (out / name).replace(target)
             moved.append(f"{name} -> {target.name}")
+    shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind, if any
     print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues it "
           f"instead), and the earlier run is kept: {', '.join(moved)}", flush=True)
 
@@ -360,7 +361,8 @@ def main(argv=None) -> None:
         critic_opt, critic_sched = make_optimizer(critic.parameters(), cfg.critic_lr, cfg.weight_decay,
                                                   cfg.critic_warmup_steps, cfg.optimizer)
     protocol = get_protocol(cfg.protocol, cfg.template)
-    rank_seed = cfg.seed + 1_000_003 * dist.rank()  # each rank samples its own stream; rank 0's is cfg.seed
+    # each rank samples its own stream (rank 0's is cfg.seed), in numpy's seed range (vLLM seeds numpy with it)
+    rank_seed = (cfg.seed + 1_000_003 * dist.rank()) % 2**32
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=rank_seed,
                     batch_size=cfg.gen_batch_size)
     if cfg.sampler == "hf":
@@ -376,7 +378,7 @@ def main(argv=None) -> None:
         fresh = ckpt or dist.is_sharded(policy)  # (a sharded policy cannot be copied)
         frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy)
         rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, seed=cfg.seed + 1_000_003 * (dist.world() + dist.rank()),
+                             top_p=cfg.top_p, seed=(cfg.seed + 1_000_003 * (dist.world() + dist.rank())) % 2**32,
                              batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 

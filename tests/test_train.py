@@ -205,6 +205,20 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
 
 
+def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_model, tmp_path):
+    """A save that died before removing checkpoint.old leaves it beside checkpoint: the earlier run set
+    aside, a fresh run that has not saved yet (here: --steps 0) must not leave that copy for --resume."""
+    import shutil
+
+    from searchlite.models import find_checkpoint
+
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    shutil.copytree(out / "checkpoint", out / "checkpoint.old")
+    train.main(args(tiny_model, out, "grpo", steps=0))
+    assert find_checkpoint(out) is None and (out / "checkpoint.previous" / "trainer.pt").exists()
+
+
 def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "nan"
     train.main(args(tiny_model, out, "grpo", steps=1))
