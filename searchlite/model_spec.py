@@ -13,6 +13,7 @@ tag protocol, prompt template and chat-template use it was trained with: how it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -103,6 +104,18 @@ def stamp(path: Path) -> str:
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """Inside the block this process alone makes or reads `folder` in the cache: processes that ask
+    at once (torchrun's ranks, two evaluations) take turns, so none reads or removes a half-made one."""
+    import fcntl
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     """A safetensors folder converted from `gguf` (de-quantized to float32), made once and cached.
 
@@ -117,6 +130,13 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers needs both
     if missing:
         raise ModelError(f"loading {src.name} needs the package(s) {', '.join(missing)}: pip install gguf accelerate")
+    with _locked(folder):
+        if not (folder / "config.json").is_file():  # else another process converted it while this one waited
+            _convert_gguf(src, folder)
+    return folder
+
+
+def _convert_gguf(src: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {src} to safetensors (once) -> {folder}", file=sys.stderr)
@@ -131,16 +151,13 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     replace_durably(tmp, folder)  # only a complete folder ever has the final name
-    return folder
 
 
 def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None) -> Path:
     """A LoRA run's checkpoint (an adapter) merged into its base model as a plain folder, for a
-    loader that takes whole models only (vLLM). One cached copy per adapter folder, made again
-    when the adapter (a later checkpoint) or a local base model's weights change. Processes that
-    ask at once (torchrun's ranks) take turns: one merges, the others find its copy."""
-    import fcntl
-
+    loader that takes whole models only (vLLM). One cached copy per adapter folder and dtype, made
+    again when the adapter (a later checkpoint) or a local base model's weights change. Processes
+    that ask at once (torchrun's ranks) take turns: one merges, the others find its copy."""
     from .memory import adapter_base, load_merged
     from .models import DTYPES
 
@@ -150,10 +167,8 @@ def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None
     inputs = sorted(src.glob("adapter_*")) + (sorted(f for p in ("*.safetensors", "*.bin") for f in base.glob(p))
                                                if base is not None and base.is_dir() else [])
     key = " ".join([dtype] + [stamp(f.resolve()) for f in inputs])  # adapter config and weights, base weights
-    folder = cache_root(cache) / "merged" / hashlib.sha1(str(src).encode()).hexdigest()[:10]
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the copy is whole: no process reads a half-made one
+    folder = cache_root(cache) / "merged" / f"{hashlib.sha1(str(src).encode()).hexdigest()[:10]}-{dtype}"
+    with _locked(folder):  # held until the copy is whole: no process reads a half-made one
         if (folder / "searchlite_merged.txt").is_file() and (folder / "searchlite_merged.txt").read_text() == key:
             return folder
         from transformers import AutoTokenizer

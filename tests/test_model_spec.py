@@ -161,3 +161,8 @@ def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeyp
         assert model_spec.merged_folder(str(adapter)) == folder and capsys.readouterr().err.count("merging") == 1
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    capsys.readouterr()
+    half = model_spec.merged_folder(str(adapter), "bfloat16")  # another dtype: a copy of its own, not a re-merge
+    assert half != folder and merged_weights(half)["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert model_spec.merged_folder(str(adapter)) == folder and model_spec.merged_folder(str(adapter), "bfloat16") == half
+    assert capsys.readouterr().err.count("merging") == 2  # the base's mtime moved back, then the bfloat16 copy
