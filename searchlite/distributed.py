@@ -336,8 +336,9 @@ def full_state_dict(model: nn.Module | None) -> dict | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    once = {name for name, _ in model.named_parameters()}  # a shared parameter under its first name only
-    return {k: v for k, v in full.items() if k in once or k not in dict(model.named_parameters(remove_duplicate=False))}
+    # a shared parameter's other names: named_parameters() gives each parameter under its first name only
+    again = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in full.items() if k not in again}
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
