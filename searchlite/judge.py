@@ -40,10 +40,10 @@ from .protocol import TEMPLATE_DIR
 # right), and so does a "not" with a degree word ("Not entirely true", "Not entirely false": part
 # of it is wrong); "true" before answer/gold/value is a noun phrase, not a verdict.
 VERDICT_RULE = "4"  # in Judge.stamp: a change of rule re-judges the stored replies' records
-_DEGREE = r"(?:(?:entirely|quite|really|exactly|necessarily|completely|fully|totally|wholly|strictly|precisely)[\s*_-]+)?"
-_NOT = r"((?:\bnot|n't|\bcannot\s+be|\b(?:partially|partly|mostly|largely|somewhat|half))[\s*_-]+" + _DEGREE + ")?"
-_HEDGE = re.compile(r"\b(?:partially|partly|mostly|largely|somewhat|half|entirely|quite|really|exactly|necessarily|"
-                    r"completely|fully|totally|wholly|strictly|precisely)\b", re.I)  # (the degree words come after a not)
+_HEDGES = "partially|partly|mostly|largely|somewhat|half"
+_DEGREES = "entirely|quite|really|exactly|necessarily|completely|fully|totally|wholly|strictly|precisely"  # after a not
+_NOT = rf"((?:\bnot|n't|\bcannot\s+be|\b(?:{_HEDGES}))[\s*_-]+(?:(?:{_DEGREES})[\s*_-]+)?)?"
+_HEDGE = re.compile(rf"\b(?:{_HEDGES}|{_DEGREES})\b", re.I)
 _WORD = r"\b(true|false)\b(?![\s*_]+(?:answer|gold|value)s?\b)"
 # an echoed label before the verdict: "True/False:", "True or False?", "[False|True] -", ...
 _LABEL = re.compile(r"\W*(?:true\s*(?:/|\||\bor\b)\s*false|false\s*(?:/|\||\bor\b)\s*true)\b\W*", re.I)
