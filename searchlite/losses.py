@@ -73,16 +73,7 @@ def picked_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: flo
     tensor([-1.3863, -1.3863])
     """
     recompute = logits.requires_grad and logits.dtype != torch.promote_types(logits.dtype, torch.float32)
-    parts = []
-    for i in range(0, max(1, len(logits)), chunk):  # n = 0: one empty chunk
-        if recompute:
-            from torch.utils.checkpoint import checkpoint
-
-            parts.append(checkpoint(_row_logprobs, logits[i:i + chunk], target[i:i + chunk], temperature,
-                                    use_reentrant=False))
-        else:
-            parts.append(_row_logprobs(logits[i:i + chunk], target[i:i + chunk], temperature))
-    return torch.cat(parts)
+    return _by_chunks(_row_logprobs, chunk, recompute, logits, target, temperature=temperature)
 
 
 def masked_entropy(logits: torch.Tensor, at: tuple, shape, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
@@ -99,14 +90,20 @@ def masked_entropy(logits: torch.Tensor, at: tuple, shape, temperature: float = 
     tensor([[0.0000, 0.0000, 1.3863]])
     """
     ent = torch.zeros(shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-    if logits.requires_grad:
-        from torch.utils.checkpoint import checkpoint
+    return ent.index_put(at, _by_chunks(_entropy_rows, chunk, logits.requires_grad, logits, temperature=temperature))
 
-        parts = [checkpoint(_entropy_rows, logits[i:i + chunk], temperature, use_reentrant=False)
-                 for i in range(0, max(1, len(logits)), chunk)]  # n = 0: one empty chunk, on the graph
-    else:
-        parts = [_entropy_rows(logits[i:i + chunk], temperature) for i in range(0, max(1, len(logits)), chunk)]
-    return ent.index_put(at, torch.cat(parts))
+
+def _by_chunks(fn, chunk: int, recompute: bool, *rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fn(rows[i:i + chunk] of each of `rows`, temperature), concatenated; with `recompute`, each chunk is
+    computed again in backward (torch.utils.checkpoint) instead of keeping its fp32 copies. With no row
+    it runs once on the empty ones, so the result still hangs on the graph."""
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for i in range(0, max(1, len(rows[0])), chunk):
+        args = [r[i:i + chunk] for r in rows]
+        parts.append(checkpoint(fn, *args, temperature, use_reentrant=False) if recompute else fn(*args, temperature))
+    return torch.cat(parts)
 
 
 def _entropy_rows(z: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
