@@ -168,7 +168,8 @@ class HFSampler:
                 do_sample=not greedy, temperature=self.temperature if not greedy else None,
                 top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
                 stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-            )  # (B, P + new)
+                synced_gpus=False,  # under FSDP2 transformers would sync every token across ranks: the
+            )  # (B, P + new)        weights are gathered (distributed.gathered), each rank generates alone
         finally:
             self.model.train(was_training)
             hf.generation_config = saved

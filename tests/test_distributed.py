@@ -155,6 +155,7 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
     out["reductions"] = reductions(batch, mine)
     out["optimizer"] = optimizer_round_trip(batch, mine, model_dir)
     out["tied"] = tied_full_state_dict(model_dir)
+    out["uneven_generation"] = uneven_generation(model_dir)
     try:  # a NaN on rank 1 alone stops both ranks
         train.check_finite(3, loss=[torch.tensor(float("nan") if rank == 1 else 1.0)])
         out["nan"] = None
@@ -179,6 +180,22 @@ def reductions(batch: dict, mine: list[int]) -> dict:
         "uneven_mean": dist.mean(uneven),
         "eval_shares": dist.gather_objects(dist.shard(list(range(7)), even=False)),
     }
+
+
+def uneven_generation(model_dir: str) -> float:
+    """Rank 1 generates twice, rank 0 once, inside `gathered` under FSDP2, then both meet in a
+    collective. transformers syncs every generated token across the ranks of an FSDP model unless
+    told not to (synced_gpus): with it, rank 0's sum met rank 1's token sync and gloo aborted."""
+    from searchlite.models import load_tokenizer
+    from searchlite.sampler import HFSampler
+
+    model = load_policy(model_dir)
+    dist.wrap_model(model, "fsdp", torch.device("cpu"))
+    sampler = HFSampler(model, load_tokenizer(model_dir), max_new_tokens=3, temperature=1.0, seed=dist.rank())
+    with dist.gathered(model):
+        for _ in range(1 + dist.rank()):
+            sampler.generate([[5, 6, 7]])
+    return dist.all_sum(1.0)
 
 
 def tied_full_state_dict(model_dir: str) -> dict:
@@ -271,6 +288,7 @@ def setup(tmp_path_factory, byte_tokenizer):
     model_dir = str(tmp / "model")
     model = make_tiny_llama(byte_tokenizer)
     model.save_pretrained(model_dir)
+    byte_tokenizer.save_pretrained(model_dir)  # for the sampler of uneven_generation
     torch.manual_seed(1)
     head = torch.nn.Linear(model.config.hidden_size, 1)  # a random value head, so the critic's gradient is rich
     torch.save(head.state_dict(), Path(model_dir) / "value_head.pt")
@@ -363,6 +381,10 @@ def test_a_value_that_is_not_finite_on_one_rank_stops_every_rank(setup):
     rank0, rank1 = setup[2]["nan"]
     assert rank1.startswith("step 3: loss is not finite ([nan]") and rank0.startswith(
         "step 3: another process found a value that is not finite")
+
+
+def test_fsdp_ranks_generate_unevenly_without_syncing(setup):
+    assert setup[2]["uneven_generation"] == 2.0
 
 
 def test_fsdp_checkpoint_of_tied_embeddings_holds_them_once(setup):
