@@ -328,23 +328,27 @@ def main(argv=None) -> None:
         test_qa = test_qa[:cfg.eval_size]
     ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    # --master_weights: the weights that train in full (the policy without LoRA, the critic, and the reference,
+    # which so computes as the policy does) are held in float32 and compute in --dtype (models.compute_in)
+    master = cfg.master_weights and not cfg.lora_rank  # LoRA: a frozen base in --dtype, float32 adapters (peft)
     if cfg.lora_rank:  # the base model + a LoRA adapter: a new one, or the checkpoint's on resume
         policy = add_lora(load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing), cfg.lora_rank,
                           cfg.lora_alpha, cfg.lora_targets, adapter=ckpt / "policy" if ckpt else None)
     else:
-        policy = load_policy(str(ckpt / "policy") if ckpt else cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
+        policy = load_policy(str(ckpt / "policy") if ckpt else cfg.model, cfg.dtype, device, cfg.grad_checkpointing,
+                             master)
     ref = None
     if cfg.kl_coef > 0:  # the reference is always the starting model, also after a resume
         if cfg.lora_rank:  # the base model is the policy with its adapters disabled: no second copy
             ref = LoRAReference(policy)
         elif cfg.ref_offload:  # kept in CPU memory; it visits the device only to score
-            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, "cpu"))
+            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, "cpu", master=master))
         else:
-            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, device) if ckpt else policy)
+            ref = frozen_copy(load_policy(cfg.model, cfg.dtype, device, master=master) if ckpt else policy)
     critic = None
     if cfg.algo == "ppo":
         critic = Critic.from_pretrained(str(ckpt / "critic") if ckpt else cfg.model, cfg.dtype, device,
-                                        cfg.grad_checkpointing)
+                                        cfg.grad_checkpointing, cfg.master_weights)
     # torchrun (searchlite/distributed.py): FSDP2 shards policy, critic and reference in place; DDP wraps
     # the trained models. update() trains through train_policy / train_critic; the rest uses the modules.
     parallel = dist.choose_parallel(policy, cfg.parallel)
@@ -376,7 +380,8 @@ def main(argv=None) -> None:
     rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)
     if cfg.mem_coef > 0:
         fresh = ckpt or dist.is_sharded(policy)  # (a sharded policy cannot be copied)
-        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy)
+        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device, master=master)
+                                                         if fresh else policy)
         rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                              top_p=cfg.top_p, seed=(cfg.seed + 1_000_003 * (dist.world() + dist.rank())) % 2**32,
                              batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's
@@ -440,6 +445,8 @@ def main(argv=None) -> None:
             questions = [q for q in dist.shard(batch_questions(train_qa, step, cfg.batch_size, cfg.seed))
                          for _ in range(cfg.group)]
             policy.eval()
+            if critic is not None:
+                critic.eval()
             with dist.gathered(generator):
                 ro = rollout(sampler, retriever, tokenizer, protocol, [q.question for q in questions],
                              mask_retrieved=cfg.mask_retrieved, progress=dist.is_main(), **rollout_kw)
@@ -492,7 +499,9 @@ def main(argv=None) -> None:
                 sys.exit(f"error: unknown --algo {cfg.algo!r} (valid: grpo, ppo, reinforce_pp)")
 
             # -------------------------------------------------------------- update
-            policy.train()
+            policy.train()  # and the critic: transformers recomputes (--grad_checkpointing) only in training mode
+            if critic is not None:
+                critic.train()
             stats = update(cfg, step, train_policy, opt, ro, old_logp, ref_logp, adv, device, train_critic, critic_opt,
                            old_values, ret, mem)
             lr = sched.get_last_lr()[0]  # the rate this step trained at (warm-up: before the schedule moves on)

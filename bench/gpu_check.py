@@ -55,7 +55,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen2 on CPU (or --device): the testable path")
     ap.add_argument("--device", default="", help="default: cuda:$LOCAL_RANK (0), or cpu with --tiny")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="dtype of the policy's and the reference's weights")
+                    help="dtype the policy and the reference compute in; their weights are float32 (train.py's "
+                         "--master_weights) unless --bf16_weights")
+    ap.add_argument("--bf16_weights", action="store_true",
+                    help="hold the weights themselves in --dtype (train.py's --master_weights false)")
     # None: not given, so the default below (--tiny's or the full one); a flag given always wins
     ap.add_argument("--questions", type=int, default=None, help="toy questions in the batch (default 8; --tiny: 2)")
     ap.add_argument("--group", type=at_least(2), default=None,
@@ -164,7 +167,7 @@ def main(argv=None) -> dict:
     from searchlite.config import Config, resolve_path
     from searchlite.data import read_qa
     from searchlite.memory import on_device
-    from searchlite.models import frozen_copy, load_tokenizer, make_optimizer
+    from searchlite.models import compute_in, frozen_copy, load_tokenizer, make_optimizer
     from searchlite.protocol import get_protocol
     from searchlite.rollout import rollout
     from searchlite.sampler import HFSampler
@@ -175,13 +178,17 @@ def main(argv=None) -> dict:
                  temperature=1.0, template="toy", dtype=args.dtype, grad_checkpointing=True, seed=args.seed)
     tokenizer = load_tokenizer(cfg.model)
     t0 = sync(device)
-    policy = random_qwen(TINY if args.tiny else QWEN25_3B, tokenizer, dtype, device)
+    policy = random_qwen(TINY if args.tiny else QWEN25_3B, tokenizer, dtype if args.bf16_weights else torch.float32,
+                         device)
+    if not args.bf16_weights:
+        compute_in(policy, args.dtype)  # float32 master weights computing in --dtype, as train.py keeps them
     policy.gradient_checkpointing_enable()
     policy.config.use_cache = False  # as models.load_policy does; generate still caches (generation_config)
     n_params = sum(p.numel() for p in policy.parameters())
     ref = frozen_copy(policy)
     opt, _ = make_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, 0, cfg.optimizer)
-    print(f"model: random Qwen2, {n_params / 1e6:,.1f}M parameters in {args.dtype}, gradient checkpointing, "
+    held = args.dtype if args.bf16_weights else f"float32 computing in {args.dtype}"
+    print(f"model: random Qwen2, {n_params / 1e6:,.1f}M parameters in {held}, gradient checkpointing, "
           f"built in {sync(device) - t0:.1f}s", flush=True)
     retriever, how = toy_retriever(resolve_path(cfg.corpus))
     protocol = get_protocol(cfg.protocol, cfg.template)

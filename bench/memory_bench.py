@@ -43,7 +43,8 @@ VARIANTS = {  # name -> train.py flags
     "adamw8bit+gc": ["--optimizer", "adamw8bit", "--grad_checkpointing"],
     "lora": ["--lora_rank", "16"],
     "ref_offload": ["--ref_offload"],
-    "bf16": ["--dtype", "bfloat16"],
+    "bf16": ["--dtype", "bfloat16"],  # float32 master weights computing in bf16
+    "bf16-weights": ["--dtype", "bfloat16", "--master_weights", "false"],  # the weights themselves in bf16
 }
 DEFAULT_VARIANTS = "adamw,adamw8bit,adamw+gc,adamw8bit+gc,lora"  # + ref_offload on a GPU
 RANDOM_MODEL_FLAGS = ["--batch_size", "4", "--group", "2", "--max_new_tokens", "16", "--max_turns", "1",

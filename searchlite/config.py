@@ -54,7 +54,8 @@ class Config:
     # --- model
     model: str = "toy/model"  # policy: Hugging Face folder or hub name; toy/model is the embedded warm start
     tokenizer: str = ""  # tokenizer folder; empty = same as model
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # float32 | bfloat16 (float16 only to evaluate: training it needs loss scaling)
+    master_weights: bool = True  # with --dtype bfloat16, trained weights stay float32 and compute in bf16 (autocast; FSDP2 mixed precision); false keeps them in bf16: half the memory, but AdamW steps below bf16's resolution (lr 1e-6 on most weights) round away
     chat_template: bool = True  # wrap the prompt in the tokenizer's chat template when it has one
     # --- data
     train_data: str = "toy/train.jsonl"  # QA JSONL (FlashRAG format) to train on
@@ -360,6 +361,10 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         value = getattr(cfg, name)
         if used(name) and value not in valid:
             raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
+    if used("master_weights") and cfg.dtype == "float16":  # read by the programs that train
+        raise ConfigError("--dtype float16: training in float16 needs loss scaling, which searchlite does not do "
+                          "(small gradients underflow to 0, and AdamW's float16 states divide by 0); use bfloat16 "
+                          "(GPUs since Ampere) or float32. evaluate.py and vLLM take float16")
     for name, low in AT_LEAST.items():
         if used(name) and getattr(cfg, name) < low:
             raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")

@@ -248,13 +248,19 @@ def wrap_model(model: nn.Module | None, mode: str, device: torch.device,
     if model is None or world() == 1:
         return model
     if mode == "fsdp":
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = _mesh(device.type)
         policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+        # float32 master weights that compute in bf16 (models.compute_in): the shards stay float32, each
+        # unit is gathered in bf16 for its forward and backward, and gradients are reduced in float32
+        # (verl's mixed precision); this replaces autocast, so the mark is cleared
+        compute = getattr(model, "searchlite_compute_dtype", None)
+        mixed = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+        model.searchlite_compute_dtype = None
         for block in _blocks(model):
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
+            fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)
         return model
     if mode != "ddp":
         raise ValueError(f"wrap_model: mode must be 'ddp' or 'fsdp', got {mode!r}")

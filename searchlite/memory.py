@@ -7,7 +7,8 @@ and a reference model kept on CPU. train.py calls them where the models are buil
     with on_device(ref, device, enabled=cfg.ref_offload):   # a CPU-kept reference, moved to score
         ref_logp = score_tokens(ref, ...)
 
-The other two levers are one line each in models.load_policy: `--dtype bfloat16` and
+The other two levers are in models.load_policy: `--dtype bfloat16` (bf16 compute over float32
+master weights, `models.compute_in`; `--master_weights false` holds the weights in bf16) and
 `--grad_checkpointing` (activations recomputed in the backward pass). What each saves, per
 policy parameter: AdamW keeps two fp32 states (8 bytes) for an fp32 weight; AdamW8bit keeps them
 blockwise-quantized in 8 bits (2 bytes; Dettmers et al. 2022, arXiv 2110.02861; tensors under

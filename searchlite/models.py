@@ -4,6 +4,13 @@
     critic = Critic.from_pretrained("toy/model")         # same backbone + a scalar value head
     ref = frozen_copy(policy)                             # the KL anchor
 
+Mixed precision: `load_policy(path, "bfloat16", master=True)` keeps the weights in float32 and
+marks the model to compute in bf16 (`compute_in`): every forward pass of it, sampling, scoring,
+training and SFT, runs under `torch.autocast` (`autocast(model)`); under FSDP2 its shards stay
+float32 and are gathered in bf16 instead (`distributed.wrap_model`), as verl trains. An AdamW
+step at the presets' learning rates (1e-6 to 1e-5) is far below bf16's resolution: on weights
+stored in bf16 most updates would round back to the old value.
+
 Checkpoints are Hugging Face `save_pretrained` folders (so a trained policy loads in
 transformers and vLLM unchanged) with the trainer state beside them:
 
@@ -19,6 +26,7 @@ Under torchrun with FSDP2, rank 0 writes the same folders from gathered full wei
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import random
@@ -83,21 +91,44 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
+def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,
+                master: bool = False):
     """A causal LM from a Hugging Face folder or hub name; a LoRA run's checkpoint folder (an
-    adapter) loads as its base model with the adapter merged in (searchlite/memory.py)."""
+    adapter) loads as its base model with the adapter merged in (searchlite/memory.py). `master`
+    (a model to train in full): float32 weights that compute in `dtype` (`compute_in`)."""
     from transformers import AutoModelForCausalLM
 
     from .memory import is_adapter, load_merged
 
+    held = "float32" if master else dtype
     if is_adapter(path):
-        model = load_merged(resolve_path(path), DTYPES[dtype]).to(device)
+        model = load_merged(resolve_path(path), DTYPES[held]).to(device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[dtype]).to(device)
+        model = AutoModelForCausalLM.from_pretrained(resolve_path(path), dtype=DTYPES[held]).to(device)
     if grad_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    return compute_in(model, dtype) if master else model
+
+
+def compute_in(model: nn.Module, dtype: str) -> nn.Module:
+    """Mark `model` (float32 master weights) to run its forward passes in `dtype`: `autocast(model)`
+    reads the mark, `distributed.wrap_model` turns it into FSDP2's mixed precision. Copies
+    (`frozen_copy`, the reference) keep it, so they compute as the policy does. float32: no mark."""
+    model.searchlite_compute_dtype = None if dtype == "float32" else DTYPES[dtype]
     return model
+
+
+def autocast(model: nn.Module):
+    """The context a forward pass of `model` runs in: `torch.autocast` to its compute dtype
+    (`compute_in`), or nothing for a model that computes in the dtype it holds. Wrap only forward
+    passes (sampling, scoring, the loss's forward), not backward() or an optimizer step: autocast
+    caches its bf16 copies of the weights until the outermost context ends."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    dtype = getattr(inner, "searchlite_compute_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(inner.parameters()).device.type, dtype=dtype)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -128,7 +159,8 @@ def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float 
     rows, cols = rows.to(input_ids.device), cols.to(input_ids.device)
     hook = output_head(model).register_forward_pre_hook(lambda head, args: (args[0][rows, cols], *args[1:]))
     try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (n, V)
+        with autocast(model):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (n, V)
     finally:
         hook.remove()
     if logits.dim() == 3:  # a model that calls no head module: pick from its whole rows' logits
@@ -158,26 +190,32 @@ class Critic(nn.Module):
         self.value_head.to(next(backbone.parameters()).dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False):
+    def from_pretrained(cls, path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,
+                        master: bool = False):
+        """`master`: float32 weights that compute in `dtype`, as `load_policy`'s."""
         from transformers import AutoModel
 
         from .memory import is_adapter, load_merged
 
+        held = "float32" if master else dtype
         if is_adapter(path):  # the adapter merged in: AutoModel would attach it and freeze the rest
-            backbone = load_merged(resolve_path(path), DTYPES[dtype]).base_model
+            backbone = load_merged(resolve_path(path), DTYPES[held]).base_model
         else:
-            backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[dtype])
+            backbone = AutoModel.from_pretrained(resolve_path(path), dtype=DTYPES[held])
         if grad_checkpointing:
             backbone.gradient_checkpointing_enable()
         critic = cls(backbone)
         head = Path(resolve_path(path)) / "value_head.pt"
         if head.exists():
             critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
-        return critic.to(device)
+        critic = critic.to(device)
+        return compute_in(critic, dtype) if master else critic
 
     def forward(self, input_ids, attention_mask) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+        with autocast(self):
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+            values = self.value_head(hidden)  # (B, T, 1)
+        return values.squeeze(-1).float()  # (B, T)
 
     def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
         """`state_dict` (keys as in self.state_dict()), when given, is saved instead of the module's

@@ -234,7 +234,7 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
                    "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
-                 "grad_checkpointing")  # what stage 1 reads
+                 "grad_checkpointing", "master_weights")  # what stage 1 reads
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>-<algo>",
@@ -402,7 +402,7 @@ def stage1(cfg) -> Path:
     device = pick_device(cfg.device)
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing)
+    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
     protocol = get_protocol(cfg.protocol, cfg.template)
     if cfg.cold_start_sampler == "teacher":
         from .teacher import Teacher

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .models import autocast
+
 
 class PromptTooLong(RuntimeError):
     """A prompt that leaves the model no position to generate in. A rollout ends a trajectory
@@ -163,13 +165,14 @@ class HFSampler:
         # would sample from another distribution than the policy whose log-probs are trained on.
         hf.generation_config = _plain_generation_config(saved)
         try:
-            seqs = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=room,
-                do_sample=not greedy, temperature=self.temperature if not greedy else None,
-                top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
-                stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-                synced_gpus=False,  # under FSDP2 transformers would sync every token across ranks: the
-            )  # (B, P + new)        weights are gathered (distributed.gathered), each rank generates alone
+            with autocast(self.model):  # float32 master weights: one bf16 copy for the whole call (models.compute_in)
+                seqs = self.model.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=room,
+                    do_sample=not greedy, temperature=self.temperature if not greedy else None,
+                    top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
+                    stopping_criteria=[recorder], pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+                    synced_gpus=False,  # under FSDP2 transformers would sync every token across ranks: the
+                )  # (B, P + new)        weights are gathered (distributed.gathered), each rank generates alone
         finally:
             self.model.train(was_training)
             hf.generation_config = saved

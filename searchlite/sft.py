@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .config import ConfigError
 from .data import write_durably
 from .losses import token_logprobs
-from .models import rng_state, set_rng_state
+from .models import autocast, rng_state, set_rng_state
 
 
 def sft_loss(model, input_ids, loss_mask, attention_mask=None, tokens: float | None = None) -> torch.Tensor:
@@ -35,7 +35,8 @@ def sft_loss(model, input_ids, loss_mask, attention_mask=None, tokens: float | N
     the sum by this count instead (a micro-batch's share of its whole batch's mean)."""
     # the LM head over whole rows (not models.trained_logprobs): the shipped warm start and stage 1
     # were trained so, and skipping the prompt's columns moves their sums by float rounding
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    with autocast(model):  # float32 master weights computing in bf16 (models.compute_in); else nothing
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     logp = token_logprobs(logits, input_ids)  # (B, T)
     mask = loss_mask.float()
     return -(logp * mask).sum() / (mask.sum().clamp(min=1.0) if tokens is None else tokens)

@@ -215,6 +215,7 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--kl_kind", "k2"), "--kl_kind 'k2': not one of k1, k3"),
     (("--loss_agg", "seq_mean"), "--loss_agg 'seq_mean': not one of token_mean, seq_mean_token_mean"),
     (("--dtype", "fp16"), "--dtype 'fp16': not one of float32, bfloat16, float16"),
+    (("--dtype", "float16"), "--dtype float16: training in float16 needs loss scaling"),  # AdamW's states hit 0 / 0
     (("--device", "gpu"), "--device 'gpu': not one of auto, cpu, cuda, cuda:N"),
     (("--reward", "f1"), "--reward 'f1': not one of em, r1pp"),
     (("--group", "0"), "--group 0: must be at least 1"),

@@ -155,6 +155,7 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
     out["reductions"] = reductions(batch, mine)
     out["optimizer"] = optimizer_round_trip(batch, mine, model_dir)
     out["tied"] = tied_full_state_dict(model_dir)
+    out["mixed"] = mixed_precision(batch, mine, model_dir)
     out["uneven_generation"] = uneven_generation(model_dir)
     try:  # a NaN on rank 1 alone stops both ranks
         train.check_finite(3, loss=[torch.tensor(float("nan") if rank == 1 else 1.0)])
@@ -180,6 +181,23 @@ def reductions(batch: dict, mine: list[int]) -> dict:
         "uneven_mean": dist.mean(uneven),
         "eval_shares": dist.gather_objects(dist.shard(list(range(7)), even=False)),
     }
+
+
+def mixed_precision(batch: dict, mine: list[int], model_dir: str) -> dict:
+    """A policy with float32 master weights that computes in bf16 (load_policy master=True) under
+    FSDP2: the dtypes of its shards, of the logits its forward pass makes and of the gradients."""
+    from searchlite.models import trained_logprobs
+
+    policy = load_policy(model_dir, "bfloat16", master=True)
+    dist.wrap_model(policy, "fsdp", torch.device("cpu"))
+    head = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda m, a, out: head.append(out.dtype))
+    ro = make_rollout(batch["ids"][mine], batch["attn"][mine], batch["lm"][mine])
+    logp, _, _ = trained_logprobs(policy, ro.input_ids, ro.attention_mask, ro.loss_mask)
+    (logp.sum()).backward()
+    hook.remove()
+    return {"params": {str(p.dtype) for p in policy.parameters()}, "head": [str(d) for d in head],
+            "grads": {str(p.grad.dtype) for p in policy.parameters()}, "marked": policy.searchlite_compute_dtype}
 
 
 def uneven_generation(model_dir: str) -> float:
@@ -381,6 +399,13 @@ def test_a_value_that_is_not_finite_on_one_rank_stops_every_rank(setup):
     rank0, rank1 = setup[2]["nan"]
     assert rank1.startswith("step 3: loss is not finite ([nan]") and rank0.startswith(
         "step 3: another process found a value that is not finite")
+
+
+def test_fsdp_master_weights_stay_float32_and_compute_in_bf16(setup):
+    """FSDP2's mixed precision (verl's): float32 shards and gradients, bf16 forward passes; the
+    autocast mark is cleared, as FSDP2 casts the gathered weights itself."""
+    assert setup[2]["mixed"] == {"params": {"torch.float32"}, "head": ["torch.bfloat16"],
+                                 "grads": {"torch.float32"}, "marked": None}
 
 
 def test_fsdp_ranks_generate_unevenly_without_syncing(setup):

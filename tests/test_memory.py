@@ -293,17 +293,72 @@ def test_grad_checkpointing_gives_the_same_gradients(tiny_llama):
         torch.testing.assert_close(recomputed[n], plain[n], atol=1e-6, rtol=0, msg=n)
 
 
-def test_bf16_with_grad_checkpointing_runs_ppo_end_to_end(tiny_model, tmp_path, varied_reward):
+@pytest.mark.parametrize("master", [True, False])
+def test_bf16_with_grad_checkpointing_runs_ppo_end_to_end(tiny_model, tmp_path, varied_reward, monkeypatch, master):
+    """bf16 PPO: float32 master weights by default (the checkpoint holds them), bf16 weights with
+    --master_weights false; either way the critic trains in training mode, where transformers'
+    gradient checkpointing recomputes (it is off in eval mode, which from_pretrained leaves)."""
     from safetensors.torch import load_file
 
+    modes = []
+    real_update = train.update
+
+    def spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=None, *rest):
+        modes.append((policy.training, critic.training, critic.backbone.training,
+                      critic.backbone.is_gradient_checkpointing))
+        return real_update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, *rest)
+
+    monkeypatch.setattr(train, "update", spy)
     out = tmp_path / "bf16"
     train.main(["--model", tiny_model, "--out_dir", str(out), "--algo", "ppo", "--group", "1", "--steps", "1",
                 "--batch_size", "3", "--max_new_tokens", "6", "--max_turns", "1", "--eval_size", "2",
-                "--dtype", "bfloat16", "--grad_checkpointing", "--log_trajectories_every", "0"])
+                "--dtype", "bfloat16", "--grad_checkpointing", "--log_trajectories_every", "0",
+                "--master_weights", str(master).lower()])
     row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert all(torch.isfinite(torch.tensor(float(row[k]))) for k in ("loss", "vf_loss", "grad_norm"))
-    weights = load_file(out / "checkpoint" / "policy" / "model.safetensors")
-    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    held = torch.float32 if master else torch.bfloat16
+    for part in ("policy", "critic"):
+        weights = load_file(out / "checkpoint" / part / "model.safetensors")
+        assert {v.dtype for v in weights.values()} == {held}, part
+    assert modes == [(True, True, True, True)]
+
+
+@pytest.mark.parametrize("master", [True, False])
+def test_master_weights_keep_the_updates_bf16_weights_round_away(tiny_model, master):
+    """Three AdamW steps at lr 1e-6 (the 3B presets' rate): on float32 master weights every
+    weight moves; on bf16 weights (about 1e-4 apart near 0.02) about 2% do, the rest round back.
+    Either way the forward passes, training, scoring and sampling, compute in bf16, and a frozen
+    copy (the reference) computes as the policy does."""
+    from searchlite.models import frozen_copy, load_policy, load_tokenizer, make_optimizer
+    from searchlite.sampler import HFSampler
+    from searchlite.sft import sft_loss
+
+    policy = load_policy(tiny_model, "bfloat16", master=master)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32 if master else torch.bfloat16}
+    before = {n: p.detach().clone() for n, p in policy.named_parameters() if "embed" not in n}
+    head = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda m, a, out: head.append(out.dtype))
+    opt, _ = make_optimizer(policy.parameters(), 1e-6, 0.0, 0)
+    for _ in range(3):
+        sft_loss(policy, IDS, torch.ones_like(IDS)).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in policy.named_parameters() if n in before)
+    share = moved / sum(t.numel() for t in before.values())
+    assert share == 1.0 if master else share < 0.1
+    HFSampler(policy, load_tokenizer(tiny_model), max_new_tokens=2).generate([[5, 9, 12]])
+    logp = train.score_tokens(policy, make_rollout(IDS), 2, "cpu")
+    hook.remove()
+    assert set(head) == {torch.bfloat16} and len(head) == 3 + 2 + 1  # SFT, the sampler's 2 tokens, scoring
+    assert torch.equal(train.score_tokens(frozen_copy(policy), make_rollout(IDS), 2, "cpu"), logp)
+
+
+def make_rollout(ids):
+    from searchlite.rollout import Rollout
+
+    n, mask = ids.shape[0], torch.ones_like(ids)
+    zeros = torch.zeros(n, dtype=torch.long)
+    return Rollout(ids, mask, mask, zeros, zeros, zeros, zeros.bool(), [None] * n, [""] * n)
 
 
 # ---------------------------------------------------------------------------- settings
