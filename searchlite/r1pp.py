@@ -152,8 +152,11 @@ def keep_rewrite(text: str, golds, protocol) -> bool:
         return False
     if protocol.stop[0] in text or protocol.info_open in text or protocol.info_close in text:
         return False
-    own = re.sub("|".join(re.escape(g) for g in golds), " ", text, flags=re.I) if golds else text
-    if GIVEAWAY.search(own):  # the answer's own words do not count ("Notes from Underground")
+    # a giveaway word inside a whole-word mention of a gold is the answer's own ("Notes from Underground"),
+    # not one inside a gold that is part of a word: gold "no" in "notes", "2" in "Doc 2"
+    golds_at = [m.span() for g in golds if g.strip()
+                for m in re.finditer(rf"(?<!\w){re.escape(g.strip())}(?!\w)", text, re.I)]
+    if any(not any(a <= m.start() and m.end() <= b for a, b in golds_at) for m in GIVEAWAY.finditer(text)):
         return False
     action = protocol.parse(text)
     return action.kind == "answer" and is_correct(text, action.content, golds, protocol)

@@ -188,6 +188,11 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     title = "Notes from Underground"  # a giveaway word inside the answer itself is no giveaway
     assert r1pp.keep_rewrite(internal(title), [title], PP)
     assert not r1pp.keep_rewrite("My notes say so. " + internal(title), [title], PP)
+    # a gold inside a giveaway word excuses nothing (they were cut from the text before the check)
+    for said, gold in [("From the notes, ", "no"), ("The documents list five ", "men"), ("Doc 2 says ", "2"),
+                       ("According to the context, ", "yes")]:
+        assert not r1pp.keep_rewrite(said + internal(gold), [gold, ""], PP), (said, gold)
+        assert r1pp.keep_rewrite("I recall: " + internal(gold), [gold, ""], PP), gold
     assert r1pp.rewrite_demos(kept.select([0]), asked[:1], tok, PP, template, internal, n=5) is None  # no search
 
     both = r1pp.join(kept, demos, tok)  # the SFT data: the kept rows, then the demonstrations, unchanged
