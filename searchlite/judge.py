@@ -39,7 +39,7 @@ from .protocol import TEMPLATE_DIR
 # true", "**Not** correct"); a hedge before it makes it False ("Partially true": not all of it is
 # right), and so does a "not" with a degree word ("Not entirely true", "Not entirely false": part
 # of it is wrong); "true" before answer/gold/value is a noun phrase, not a verdict.
-VERDICT_RULE = "4"  # in Judge.stamp: a change of rule re-judges the stored replies' records
+VERDICT_RULE = "5"  # in Judge.stamp: a change of rule re-judges the stored replies' records
 _HEDGES = "partially|partly|mostly|largely|somewhat|half"
 _DEGREES = "entirely|quite|really|exactly|necessarily|completely|fully|totally|wholly|strictly|precisely"  # after a not
 _NOT = rf"((?:\bnot|n't|\bcannot\s+be|\b(?:{_HEDGES}))[\s*_-]+(?:(?:{_DEGREES})[\s*_-]+)?)?"
@@ -51,6 +51,10 @@ _LEAD = re.compile(r"\W*" + _NOT + _WORD, re.I)
 _TRUE_FALSE = re.compile(_NOT + _WORD, re.I)
 _FIRST_WORD = re.compile(r"\W*" + _NOT + r"\b(correct|right|yes|incorrect|wrong|no)\b", re.I)
 _OPENING_WORD = re.compile(_FIRST_WORD.pattern + r"(?=[\s*_]*(?:[.,:;!)\n]|$))", re.I)  # "No." not "No doubt"
+# the last resort, a first word with words after it ("Correct because ..."), but not one that opens a
+# noun phrase or a hedge: "Correct answer: Lyon", "Right answer would be", "No doubt", "Yes and no"
+_FIRST_WORD_ALONE = re.compile(_FIRST_WORD.pattern + r"(?![\s*_]+(?:answers?|responses?|ones?|doubt|and|or|but)\b)",
+                               re.I)
 
 
 class JudgeError(RuntimeError):
@@ -74,7 +78,8 @@ def verdict(reply: str) -> bool | None:
     says: "true" or "false", or correct, right, yes (True) or incorrect, wrong, no (False) standing
     alone ("No." or "Incorrect, the true answer is Lyon", not "No doubt" or "Correct answer is").
     Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
-    and failing that its first word. A "not" before the word flips it, a hedge ("partially",
+    and failing that its first word ("Correct because ..."), unless that word opens a noun phrase
+    or a hedge ("Correct answer: Lyon", "Yes and no": no verdict). A "not" before the word flips it, a hedge ("partially",
     "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only
     the prompt's words count there ("False. The correct answer is Lyon" is False).
 
@@ -93,7 +98,7 @@ def verdict(reply: str) -> bool | None:
     if not found:
         for found in _TRUE_FALSE.finditer(answer):  # the last one: an explanation ends with it
             pass
-    found = found or _FIRST_WORD.match(answer)
+    found = found or _FIRST_WORD_ALONE.match(answer)
     if not found:
         return None
     if _HEDGE.search(found.group(1) or ""):

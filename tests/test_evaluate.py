@@ -828,6 +828,10 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("Not entirely true.", False), ("That's not really true.", False), ("Not necessarily correct", False),
     ("It isn't quite true", False), ("Entirely true.", True), ("Not Lyon but Paris, so True", True),
     ("Not entirely false.", False), ("Not completely wrong.", False), ("Not necessarily false", False),
+    # a first word with no true/false after it: a verdict unless it opens a noun phrase or a hedge
+    ("Correct because both name Paris", True), ("Wrong since Lyon is not Paris", False),
+    ("Correct answer: Lyon. Prediction wrong", None), ("Right answer would be Lyon", None),
+    ("No doubt the prediction is", None), ("Yes and no", None),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
