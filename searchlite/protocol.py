@@ -128,6 +128,12 @@ class Protocol:
         room = max(0, max_tokens - len(head) - len(tail))
         return head + body[:room] + tail
 
+    def shown(self, tokenizer, hits, obs_ids: list[int]) -> list:
+        """The hits whose passage the observation `obs_ids` (`observation_ids`, maybe cut by
+        max_obs_tokens or max_len) shows, at least its `Doc k(` start: what the model read."""
+        text = tokenizer.decode(obs_ids, skip_special_tokens=False)
+        return [h for k, h in enumerate(hits, 1) if f"Doc {k}(" in text]
+
     def format_ok(self, response: str) -> bool:
         """Whether a whole response is well formed (R1-Searcher++'s format reward, §4.2.1). For
         R1-Searcher++: one tag span open at a time, each closed by its own tag, and one non-empty

@@ -41,7 +41,7 @@ class Rollout:
     answered: torch.Tensor  # (N,) bool, ended with an answer
     answers: list  # N parsed final answers (str) or None
     responses: list  # N decoded responses (everything after the prompt), for rewards and logs
-    docs: list = field(default_factory=list)  # N lists of retrieved Hits, in order (memorization, logs)
+    docs: list = field(default_factory=list)  # N lists of the Hits shown (at least a passage's start), in order
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -115,7 +115,7 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
                 resp[i] += obs
                 mask[i] += [obs_mask] * len(obs)
                 searches[i] += 1
-                docs[i].extend(hits)
+                docs[i].extend(protocol.shown(tokenizer, hits, obs))  # not passages cut away before they start
                 still.append(i)
         active = sorted(i for i in still if room(i) > 0)
         if bar is not None:
@@ -136,7 +136,7 @@ def _bar(progress: bool, total: int):
 
 def _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer) -> Rollout:
     n = len(prompts)
-    width = max(len(p) + len(r) for p, r in zip(prompts, resp))
+    width = max((len(p) + len(r) for p, r in zip(prompts, resp)), default=0)  # no question: an empty batch
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.full((n, width), pad, dtype=torch.long)  # (N, T)
     attention_mask = torch.zeros((n, width), dtype=torch.long)  # (N, T)

@@ -134,6 +134,25 @@ def test_max_len_cuts_the_turn_or_passage_that_reaches_it(byte_tokenizer):
     assert ro.answers == [None] and len(retriever.calls) == 1
 
 
+def test_docs_hold_the_passages_the_model_was_shown(byte_tokenizer):
+    """A passage cut away before its start (max_obs_tokens, max_len) was never read: it is not in
+    docs, which R1-Searcher++'s rewrites, the evaluation records and bench/r1pp_table.py read."""
+    tok = byte_tokenizer
+    full, _, _ = _run(tok, ["q-search"])
+    assert [h.id for h in full.docs[0]] == ["france capital-0", "france capital-1"]
+    first = len(P.observation_ids(tok, full.docs[0][:1], 10_000))
+    ro, _, _ = _run(tok, ["q-search"], max_obs_tokens=first)  # room for the first passage only
+    assert "Doc 2(" not in ro.responses[0] and [h.id for h in ro.docs[0]] == ["france capital-0"]
+    cap = len(encode_prompt(tok, P, "q-search")) + len(tok.encode(SCRIPTS["q-search"][0], add_special_tokens=False))
+    ro, _, _ = _run(tok, ["q-search"], max_len=cap + 5)  # "\n<information>": no passage starts
+    assert ro.searches.tolist() == [1] and ro.docs == [[]]
+
+
+def test_no_question_is_an_empty_batch(byte_tokenizer):
+    ro, sampler, _ = _run(byte_tokenizer, [])
+    assert ro.input_ids.shape == (0, 0) and len(ro) == 0 and sampler.calls == []
+
+
 def test_observation_truncated_keeps_closing_tag(byte_tokenizer):
     hits = [Hit(id="1", title="T", text="x" * 400, score=1.0)]
     ids = P.observation_ids(byte_tokenizer, hits, max_tokens=50)
