@@ -408,6 +408,10 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                           "http://127.0.0.1:8000; start one with python retrieve.py serve)")
     if cfg.retriever == "dense" and not (cfg.encoder or cfg.index):
         raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
+    if cfg.retriever == "rank_bm25" and cfg.index:
+        raise ConfigError(f"--retriever rank_bm25 with --index {cfg.index}: rank_bm25 builds its BM25 in memory "
+                          "with the rank_bm25 package; an index folder (retrieve.py build) holds a bm25s index, "
+                          "which --retriever bm25 reads")
     prompt = template_path(cfg.protocol, cfg.template)
     if not prompt.exists():
         raise ConfigError(f"--template {cfg.template!r}: {missing_template(prompt, cfg.protocol)}")

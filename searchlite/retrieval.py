@@ -519,10 +519,13 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     if index is not None and not os.path.isdir(index) and kind != "dense":  # else ignored: BM25 built in memory
         raise ValueError(f"index {index} is not a folder: a {kind} index is a folder written by `retrieve.py "
                          "build`; a FAISS file (such as Search-R1's e5_Flat.index) needs retriever kind 'dense'")
+    if index is not None and kind == "rank_bm25":  # it was read as the bm25s index it is, without a word
+        raise ValueError(f"retriever kind 'rank_bm25' builds its BM25 in memory (the rank_bm25 package): index "
+                         f"{index} is read by kind 'bm25' (bm25s)")
     if index is not None and os.path.isdir(index):
         if encoder is not None:
             kw["encoder"] = encoder
-        return load_index(index, corpus, kind="bm25" if kind == "rank_bm25" else kind, **kw)
+        return load_index(index, corpus, kind=kind, **kw)
     if corpus is None:
         raise ValueError(f"retriever kind {kind!r} needs a corpus")
     passages = open_corpus(corpus) if isinstance(corpus, (str, os.PathLike)) else list(corpus)

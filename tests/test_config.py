@@ -235,6 +235,7 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),
     (("--retriever", "dense"), "--retriever dense needs --encoder"),
+    (("--retriever", "rank_bm25", "--index", "toy/model"), "--retriever rank_bm25 with --index toy/model: rank_bm25"),
     (("--template", "toyy"), "toyy_search_r1.txt does not exist; give a prompt file with {question}, or a set here: "
                              "fewshot, toy, '' (the paper's)"),
     (("--mem_coef", "0.1"), "search_r1_rewrite.txt does not exist (R1-Searcher++ runs with --protocol r1_searcher_pp)"),

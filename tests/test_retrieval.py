@@ -358,6 +358,10 @@ def test_build_retriever(tmp_path):
         build_retriever("elastic", str(tmp_path / "c.jsonl"))
     with pytest.raises(ValueError, match="url"):
         build_retriever("http")
+    build_retriever("bm25", str(tmp_path / "c.jsonl")).save(tmp_path / "idx")
+    assert build_retriever("bm25", index=str(tmp_path / "idx")).search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    with pytest.raises(ValueError, match="kind 'rank_bm25' builds its BM25 in memory"):  # it read the bm25s index
+        build_retriever("rank_bm25", index=str(tmp_path / "idx"))
     with pytest.raises(ValueError, match="encoder"):
         build_retriever("dense", CORPUS)
 
