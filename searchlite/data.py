@@ -52,8 +52,11 @@ class Passage:
 
     @property
     def contents(self) -> str:
-        """Search-R1's wiki-18 form: the title in double quotes, a newline, the text."""
-        return f'"{self.title}"\n{self.text}'
+        """Search-R1's wiki-18 form: the title in double quotes, a newline, the text. A newline in
+        the title (an id/title/text corpus may have one) becomes a space: the first newline is
+        where `split_contents`, a server's client, finds the text."""
+        title = self.title.replace("\n", " ")
+        return f'"{title}"\n{self.text}'
 
 
 @dataclass

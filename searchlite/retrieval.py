@@ -452,16 +452,28 @@ class HTTPRetriever(Retriever):
             if not isinstance(result, list) or len(result) != len(chunk):
                 raise RuntimeError(f"retrieval server {self.url} sent no 'result' list for {len(chunk)} queries: "
                                    f"{str(reply)[:200]}")
-            out += [[_parse_item(item) for item in items[:k]] for items in result]
+            for query, items in zip(chunk, result):
+                if not isinstance(items, list):
+                    raise RuntimeError(f"retrieval server {self.url} answered query {query[:80]!r} with "
+                                       f"{json.dumps(items)[:200]}, not a list of documents")
+                try:
+                    out.append([_parse_item(item) for item in items[:k]])
+                except (TypeError, ValueError) as e:  # (a score that is no number)
+                    raise RuntimeError(f"retrieval server {self.url}: {e}") from None
         return out
 
 
-def _parse_item(item: dict) -> Hit:
-    doc = item["document"] if "document" in item else item
+def _parse_item(item) -> Hit:
+    """A Hit from one item of a Search-R1 server's result: {"document": {"id", "contents"}, "score"},
+    a bare document, or title and text fields; anything else is a ValueError that shows the item."""
+    doc = item.get("document", item) if isinstance(item, dict) else None
+    if not isinstance(doc, dict) or not ({"contents", "title", "text"} & doc.keys()):
+        raise ValueError(f"a result item is not a document with 'contents' (or 'title' and 'text'): "
+                         f"{json.dumps(item)[:200]}")
     if "contents" in doc:
-        title, text = split_contents(doc["contents"])
+        title, text = split_contents(str(doc["contents"]))
     else:
-        title, text = doc.get("title", ""), doc.get("text", "")
+        title, text = str(doc.get("title", "")), str(doc.get("text", ""))
     return Hit(str(doc.get("id", "")), title, text, float(item.get("score", 0.0)))
 
 

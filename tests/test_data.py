@@ -178,6 +178,12 @@ def test_contents_round_trip(title, text):
     assert split_contents(p.contents) == (title, text)
 
 
+def test_a_newline_in_a_title_stays_in_the_title():
+    """The first newline of `contents` ends the title: one inside it became a space, not the start of
+    the text (what a retrieval server's client read: title 'Multi', text 'line title\\nbody')."""
+    assert split_contents(Passage("0", "Multi\nline title", "body").contents) == ("Multi line title", "body")
+
+
 def _write_many(path, k: int, errors) -> None:
     from searchlite.data import write_durably
 

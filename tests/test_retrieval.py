@@ -259,6 +259,8 @@ class _SearchR1Handler(JSONHandler):
         if srv.status != 200 or srv.fail_first > 0:
             srv.fail_first -= 1
             return self.send_json(srv.status if srv.status != 200 else 500, {"detail": "boom"})
+        if srv.reply is not None:  # a server of another shape
+            return self.send_json(200, srv.reply)
         result = []
         for hits in srv.index.search(body["queries"], body["topk"]):
             docs = [{"id": h.id, "contents": Passage(h.id, h.title, h.text).contents} for h in hits]
@@ -273,7 +275,7 @@ class _SearchR1Handler(JSONHandler):
 def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _SearchR1Handler)
     srv.index, srv.requests, srv.fail_first, srv.status, srv.wrap = BM25Retriever(CORPUS), [], 0, 200, True
-    srv.delays = []  # seconds each next request waits before its answer
+    srv.delays, srv.reply = [], None  # seconds each next request waits before its answer; a fixed reply
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
@@ -297,6 +299,20 @@ def test_http_client_accepts_bare_documents(server):
     server.wrap = False
     [hits] = HTTPRetriever(_url(server)).search(["what causes ocean tides"], k=2)
     assert [(h.id, h.title, h.score) for h in hits][0] == ("v8", "Tides", 0.0)
+
+
+@pytest.mark.parametrize("result, message", [
+    ([[{"doc": {"id": "7", "contents": '"Paris"\nCapital.'}}]], "a result item is not a document with 'contents'"),
+    ([[{"document": {"id": "7", "body": "Capital."}, "score": 1.0}]], "not a document with 'contents'"),
+    ([["Paris is the capital"]], 'not a document .*: "Paris is the capital"'),
+    ([[{"document": {"contents": "x"}, "score": "high"}]], "could not convert string to float"),
+    ([None], "answered query 'q' with null, not a list of documents"),
+])
+def test_http_client_names_the_server_of_a_reply_it_cannot_read(server, result, message):
+    """Items of another shape were empty passages ('Doc 1(Title: ) ') or a bare AttributeError."""
+    server.reply = {"result": result}
+    with pytest.raises(RuntimeError, match=f"retrieval server http://127.0.0.1:\\d+/retrieve.*{message}"):
+        HTTPRetriever(_url(server), retries=0).search(["q"], k=1)
 
 
 def test_http_client_retries_server_errors(server):
