@@ -171,7 +171,8 @@ def policy_loss(logp, old_logp, adv, loss_mask, clip_eps: float, mode: str = "to
 
     loss_t = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A_t) with
     ratio_t = exp(logp_t - old_logp_t). Returns (loss, clipfrac): clipfrac is the fraction
-    of policy tokens where the clipped term is the smaller one, i.e. gets no gradient.
+    of policy tokens where the clipped term is the smaller one, i.e. gets no gradient, averaged as
+    the loss is (`mode`), so train.update's micro-batch weights sum it to the mini-batch's.
     All inputs (B, T); `adv` is already broadcast to tokens.
 
     >>> z = torch.zeros(1, 3)
@@ -187,7 +188,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, clip_eps: float, mode: str = "to
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv  # (B, T)
     loss_tok = -torch.minimum(surr, surr_clipped)  # (B, T)
-    clipfrac = masked_mean((surr_clipped < surr).float(), loss_mask)
+    clipfrac = aggregate((surr_clipped < surr).float(), loss_mask, mode)
     return aggregate(loss_tok, loss_mask, mode), clipfrac.detach()
 
 

@@ -422,6 +422,7 @@ def test_micro_batches_sum_to_the_gradient_of_the_whole_mini_batch(tiny_llama, b
     # micro-batches of 2 by length: rows [1, 3], [0, 4], [2]; row 1 has no policy token, beside row 3
     ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 2, 7, 3, 6), g, empty=(1,))
     ref_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)  # a KL term with a gradient
+    old_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)  # ratios off 1: some clip
 
     def grads(micro):
         cfg = parse_args(["--preset", "none", "--algo", "grpo", "--kl_coef", "0.1", "--entropy_coef", "0.01",
@@ -429,11 +430,15 @@ def test_micro_batches_sum_to_the_gradient_of_the_whole_mini_batch(tiny_llama, b
         assert train.micro_batches(5, micro, ro.attention_mask.sum(1)) == ([[1, 3], [0, 4], [2]] if micro == 2
                                                                            else [[1, 3, 0, 4, 2]])
         opt = Capture(tiny_llama.parameters())
-        train.update(cfg, 0, tiny_llama, opt, ro, old_logp, ref_logp, adv, "cpu")
-        return opt.grads
+        stats = train.update(cfg, 0, tiny_llama, opt, ro, old_logp, ref_logp, adv, "cpu")
+        return opt.grads, {k: sum(stats[k]) for k in ("loss", "kl", "entropy", "clipfrac")}
 
-    for got, want in zip(grads(2), grads(8)):
-        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
+    (got, logged), (want, whole) = grads(2), grads(8)
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_, w, atol=1e-7, rtol=1e-5)
+    assert 0 < whole["clipfrac"] < 1  # some ratios clip
+    for k, v in whole.items():  # and the logged statistics are the whole mini-batch's too
+        assert logged[k] == pytest.approx(v, rel=1e-5, abs=1e-8), k
 
 
 def test_micro_batches_group_rows_of_like_length():
