@@ -42,12 +42,12 @@ def run_config(folder: Path) -> dict | None:
     return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
 
 
-PROMPT_SETTINGS = ("protocol", "template", "chat_template")  # how a trained run must be asked
-UNTRAINED = {"protocol": "search_r1", "template": "toy", "chat_template": True}  # any other model, unless flags say
+PROMPT_SETTINGS = ("protocol", "template", "chat_template", "max_turns")  # how a trained run must be asked
+UNTRAINED = {"protocol": "search_r1", "template": "toy", "chat_template": True, "max_turns": 4}  # any other model
 
 
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
-    """({"protocol", "template", "chat_template"}, its config.json) of the train.py run or
+    """({"protocol", "template", "chat_template", "max_turns"}, its config.json) of the train.py run or
     R1-Searcher++ stage 1 that --model names (the run folder, its checkpoint/policy, or stage 1's
     model); ({}, None) otherwise, and for a name that is no folder or file here (a hub name,
     'smollm2'), whose parents would be the working folder."""
@@ -205,9 +205,9 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
 
 
 def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> None:
-    """Set args.protocol / args.template / args.chat_template left unset (None) to those the run
+    """Set args.protocol / template / chat_template / max_turns left unset (None) to those the run
     --model names was trained with, saying so, else to `fallback`'s: a trained run is asked in
-    the tags and prompt it learned."""
+    the tags and prompt it learned, with its search budget (R1-Searcher++'s 8, not 4)."""
     trained, where = trained_prompt(args.model)
     for key in PROMPT_SETTINGS:
         if getattr(args, key) is None:

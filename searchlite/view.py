@@ -90,7 +90,8 @@ def main(argv=None) -> None:
                     "run's own, else true)")
     ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
-    ap.add_argument("--max_turns", type=at_least(0), default=4, help="search budget")
+    ap.add_argument("--max_turns", type=at_least(0), default=None, help="search budget (default: a train.py run's "
+                    "own, else 4)")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: a train.py "
                     "run's own; the toy warm start's [toy] preset, 0.7; else 1)")
     ap.add_argument("--max_new_tokens", type=at_least(1), default=None, help="tokens sampled a turn at most "

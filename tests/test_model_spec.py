@@ -60,21 +60,23 @@ def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
 def test_unset_prompt_settings_come_from_the_run(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoint" / "policy").mkdir(parents=True)
-    saved = {"protocol": "r1_searcher_pp", "template": "mine.txt", "chat_template": False, "lr": 1e-6}
+    saved = {"protocol": "r1_searcher_pp", "template": "mine.txt", "chat_template": False, "max_turns": 8, "lr": 1e-6}
     (run / "config.json").write_text(json.dumps(saved))
-    fallback = {"protocol": "search_r1", "template": "toy", "chat_template": True}
-    unset = dict(protocol=None, template=None, chat_template=None)
+    fallback = {"protocol": "search_r1", "template": "toy", "chat_template": True, "max_turns": 4}
+    unset = dict(protocol=None, template=None, chat_template=None, max_turns=None)
     for model in (run, run / "checkpoint", run / "checkpoint" / "policy"):
         args = SimpleNamespace(model=str(model), **unset)
         model_spec.fill_prompt_settings(args, fallback)
         assert (args.protocol, args.template, args.chat_template) == ("r1_searcher_pp", "mine.txt", False)
+        assert args.max_turns == 8  # R1-Searcher++'s search budget, not evaluate.py's 4
     assert f"--chat_template False: as trained ({run / 'config.json'})" in capsys.readouterr().out
-    args = SimpleNamespace(model=str(run), protocol="search_r1", template="", chat_template=True)  # flags win
+    args = SimpleNamespace(model=str(run), protocol="search_r1", template="", chat_template=True,
+                           max_turns=2)  # flags win
     model_spec.fill_prompt_settings(args, fallback)
-    assert (args.protocol, args.template, args.chat_template) == ("search_r1", "", True)
+    assert (args.protocol, args.template, args.chat_template, args.max_turns) == ("search_r1", "", True, 2)
     args = SimpleNamespace(model="toy/model", **unset)  # a plain model: the fallbacks
     model_spec.fill_prompt_settings(args, fallback)
-    assert (args.protocol, args.template, args.chat_template) == ("search_r1", "toy", True)
+    assert (args.protocol, args.template, args.chat_template, args.max_turns) == ("search_r1", "toy", True, 4)
     del saved["chat_template"]  # a run saved before the field existed: the fallback
     (run / "config.json").write_text(json.dumps(saved))
     args = SimpleNamespace(model=str(run), **unset)
