@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, resolve_path
-from searchlite.data import DataError, read_qa, write_durably
+from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, SCORING, RecordLog, average, evaluate_set, load_prompts, run_batch,
                                    summarize, table)
 from searchlite.model_spec import fill_prompt_settings, load_model, model_folder, resolve_model
@@ -246,17 +246,10 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
 def lock_out(out: Path):
     """Lock `out` for this run (an open file; closing it lets go). Two runs writing one folder
     lose records: RecordLog.replace rewrites records.jsonl from its own copy, and read_log cuts
-    the line the other is appending as torn. flock: Linux and macOS."""
-    import fcntl
-
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / "evaluate.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise EvalError(f"another evaluate.py is writing to {out}; wait for it to finish, "
-                        "or choose another --out") from None
+    the line the other is appending as torn."""
+    lock = lock_folder(out, "evaluate.lock")
+    if lock is None:
+        raise EvalError(f"another evaluate.py is writing to {out}; wait for it to finish, or choose another --out")
     return lock
 
 

@@ -19,6 +19,7 @@ searchlite/distributed.py), and rank 0 alone prints and writes files.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -33,13 +34,13 @@ import torch
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
 from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
-from searchlite.data import DataError, read_log, read_qa, write_jsonl
+from searchlite.data import DataError, lock_folder, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
                                load_trainer_state, make_optimizer, pick_device, reuse_freed_memory, rng_state,
-                               save_checkpoint, set_rng_state, trained_logprobs)
+                               save_checkpoint, set_aside, set_rng_state, trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -168,25 +169,6 @@ def check_resume(cfg) -> list[str]:
 PREVIOUS_RUN = ("config.json", "metrics.jsonl", "eval", "trajectories")  # with the checkpoint: set aside
 
 
-def set_aside(out: Path, ckpt: Path) -> None:
-    """A fresh run in a folder that holds an earlier run's checkpoint `ckpt` (a forgotten --resume):
-    that checkpoint, config.json, metrics.jsonl, eval/ and trajectories/ become checkpoint.previous,
-    config.previous.json, ... (replacing an older such set), so nothing of it is lost, not even to
-    a Ctrl-C that saves this run's first steps."""
-    moved = []
-    for name in (ckpt.name, *PREVIOUS_RUN):
-        if (out / name).exists():
-            stem, dot, ext = name.partition(".")
-            target = out / (f"{stem}.previous{dot}{ext}" if name != ckpt.name else "checkpoint.previous")
-            if target.is_dir():
-                shutil.rmtree(target)
-            (out / name).replace(target)
-            moved.append(f"{name} -> {target.name}")
-    shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind, if any
-    print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues it "
-          f"instead), and the earlier run is kept: {', '.join(moved)}", flush=True)
-
-
 def compute_rewards(ro, questions) -> torch.Tensor:
     """Search-R1's outcome reward: exact match of the final answer, nothing for format. (N,)"""
     return torch.tensor([exact_match(a, q.answers) for a, q in zip(ro.answers, questions)])
@@ -291,6 +273,11 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
 
 
 def main(argv=None) -> None:
+    with contextlib.ExitStack() as held:  # out_dir's lock, let go however the run ends (tests call main again)
+        train(argv, held)
+
+
+def train(argv, held: contextlib.ExitStack) -> None:
     # ------------------------------------------------------------------ config
     try:
         cfg = parse_args(argv)
@@ -306,6 +293,11 @@ def main(argv=None) -> None:
         dist.check_settings(cfg.batch_size, cfg.mini_batch_size, cfg.parallel, cfg.lora_rank, cfg.optimizer)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if dist.is_main():  # one run at a time in out_dir: two would mix their checkpoints and logs
+        lock = lock_folder(out, "run.lock")
+        if lock is None:
+            sys.exit(f"error: another run is writing to {out}; wait for it to finish, or choose another --out_dir")
+        held.enter_context(lock)
     found = find_checkpoint(out)
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
         print(f"config:\n{format_config(cfg)}", flush=True)
@@ -423,8 +415,11 @@ def main(argv=None) -> None:
     elif cfg.resume and dist.is_main():
         print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
     if dist.is_main():  # only now that everything has loaded: a run that stops before this changes no file
-        if found and not cfg.resume:  # a forgotten --resume: the earlier run is set aside, not replaced
-            set_aside(out, found)
+        if found and not cfg.resume:  # a forgotten --resume: the earlier run is kept as *.previous, not replaced
+            moved = set_aside(out, (found.name, *PREVIOUS_RUN))
+            shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
+            print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues "
+                  f"it instead), and the earlier run is kept: {', '.join(moved)}", flush=True)
         save_config(cfg, out / "config.json")
         # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []

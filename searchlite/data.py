@@ -300,6 +300,22 @@ def read_log(path, cut: bool = True, need: tuple[str, ...] = ()) -> list[dict]:
     return records
 
 
+def lock_folder(folder, name: str):
+    """An exclusive lock on `folder` for this process: the open file `folder/name` (closing it, or
+    the process ending, lets go), or None when another process holds it. Two runs writing one
+    folder would mix their checkpoints and logs. flock: Linux and macOS."""
+    import fcntl
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    lock = open(Path(folder) / name, "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
 def append_log(path, records: list[dict]) -> None:
     """Append `records` to a JSONL log, a line each, on disk before the caller moves on."""
     with open(path, "a", encoding="utf-8") as f:

@@ -314,6 +314,22 @@ def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Cri
     return final
 
 
+def set_aside(out: Path, names) -> list[str]:
+    """Rename the entries `names` of `out` that exist to their `.previous` form (checkpoint ->
+    checkpoint.previous, config.json -> config.previous.json), replacing an older such set; a
+    fresh run in a folder of an earlier one keeps all of it this way. Returns "a -> b" for each."""
+    moved = []
+    for name in names:
+        if (out / name).exists():
+            stem, dot, ext = name.partition(".")
+            target = out / ("checkpoint.previous" if stem == "checkpoint" else f"{stem}.previous{dot}{ext}")
+            if target.is_dir():
+                shutil.rmtree(target)
+            (out / name).replace(target)
+            moved.append(f"{name} -> {target.name}")
+    return moved
+
+
 def find_checkpoint(out_dir) -> Path | None:
     """The last complete checkpoint: `checkpoint`, or `checkpoint.old` if a save died mid-rename."""
     for name in ("checkpoint", "checkpoint.old"):

@@ -164,6 +164,21 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
 
+def test_a_second_run_in_a_folder_in_use_is_refused(tiny_model, tmp_path):
+    """Two runs in one out_dir mixed their checkpoints and logs (a checkpoint of one seed beside
+    the other's config.json); while one holds the folder, another stops before it loads anything."""
+    from searchlite.data import lock_folder
+
+    out = tmp_path / "run"
+    held = lock_folder(out, "run.lock")  # what a running train.py holds
+    with pytest.raises(SystemExit, match=f"another run is writing to {out}"):
+        train.main(args(tiny_model, out, "grpo", steps=1))
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"] and lock_folder(out, "run.lock") is None
+    held.close()
+    train.main(args(tiny_model, out, "grpo", steps=1))  # let go: the folder is free
+    assert (out / "checkpoint").is_dir() and lock_folder(out, "run.lock") is not None  # and main let go too
+
+
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
     """A fresh run in a used folder starts metrics.jsonl anew, keeping the earlier run's
