@@ -372,11 +372,26 @@ def join(a: Rollout, b: Rollout | None, tokenizer) -> Rollout:
                     [ro.answers[i] for ro, i in rows], [ro.docs[i] if ro.docs else [] for ro, i in rows], tokenizer)
 
 
+# What a stage 1 writes in its out_dir: a fresh one (no --resume) keeps an earlier one's as *.previous
+STAGE1_OUTPUTS = ("model", "stage1.json", "rejection_sampling.jsonl", "sft_state.pt", "config.json", "trajectories")
+
+
 def stage1(cfg) -> Path:
-    """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model."""
+    """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model;
+    one stage 1 at a time in out_dir (two would mix their sampling logs and models)."""
+    from .data import lock_folder
+
+    lock = lock_folder(Path(cfg.out_dir), "run.lock")
+    if lock is None:
+        sys.exit(f"error: another run is writing to {cfg.out_dir}; wait for it to finish, or choose another --out_dir")
+    with lock:
+        return _stage1(cfg)
+
+
+def _stage1(cfg) -> Path:
     from .config import format_config, resolve_path, save_config
     from .data import read_qa
-    from .models import GracefulStop, load_policy, load_tokenizer, pick_device, reuse_freed_memory
+    from .models import GracefulStop, load_policy, load_tokenizer, pick_device, reuse_freed_memory, set_aside
     from .protocol import get_protocol
     from .retrieval import config_retriever
     from .sampler import HFSampler
@@ -390,11 +405,7 @@ def stage1(cfg) -> Path:
     if cfg.resume and (out / "stage1.json").exists():
         print(f"--resume: stage 1 already finished in {out} ({out / 'model'})", flush=True)
         return out / "model"
-    (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
-    if not cfg.resume:
-        (out / "sft_state.pt").unlink(missing_ok=True)  # an interrupted SFT's state (below)
     print(f"config:\n{format_config(cfg)}", flush=True)
-    save_config(cfg, out / "config.json")
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     train_qa = read_qa(resolve_path(cfg.train_data))  # data and retriever before the model: a bad line stops it sooner
@@ -407,6 +418,12 @@ def stage1(cfg) -> Path:
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
     protocol = get_protocol(cfg.protocol, cfg.template)
+    # only now that everything has loaded: a stage 1 that stops before this changes no file
+    if not cfg.resume and (moved := set_aside(out, STAGE1_OUTPUTS)):  # a forgotten --resume loses nothing
+        print(f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), "
+              f"and the earlier one is kept: {', '.join(moved)}", flush=True)
+    (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
+    save_config(cfg, out / "config.json")
     if cfg.cold_start_sampler == "teacher":
         from .teacher import Teacher
 

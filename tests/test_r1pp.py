@@ -476,6 +476,22 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     stamp = (out / "model" / "model.safetensors").stat().st_mtime_ns
     r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), "--resume"])
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == stamp  # finished: nothing redone
+    # a forgotten --resume: a stage 1 that fails as it loads changes no file; one that starts keeps the earlier
+    weights, config, log = ((out / f).read_bytes() for f in ("model/model.safetensors", "config.json",
+                                                               "rejection_sampling.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    small = ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), "--sft_questions",
+             "2", "--group", "2", "--batch_size", "2", "--sft_batch_size", "4"]
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        r1pp.main([*small, "--train_data", str(bad)])
+    assert (out / "stage1.json").exists() and (out / "config.json").read_bytes() == config
+    assert not list(out.glob("*previous*"))
+    r1pp.main(small)
+    assert (out / "model.previous" / "model.safetensors").read_bytes() == weights
+    assert (out / "config.previous.json").read_bytes() == config
+    assert (out / "rejection_sampling.previous.jsonl").read_bytes() == log
+    assert json.loads((out / "stage1.json").read_text())["sampled"] == 4  # the new stage 1's
 
 
 def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_path, monkeypatch, capsys):
