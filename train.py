@@ -38,8 +38,8 @@ from searchlite.data import DataError, lock_folder, read_log, read_qa, write_jso
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
-from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_tokenizer,
-                               load_trainer_state, make_optimizer, pick_device, reuse_freed_memory, rng_state,
+from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_trainer_state,
+                               make_optimizer, pick_device, reuse_freed_memory, rng_state, run_tokenizer,
                                save_checkpoint, set_aside, set_rng_state, trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
@@ -319,7 +319,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
     if cfg.eval_size:
         test_qa = test_qa[:cfg.eval_size]
     ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    try:  # the first to reach the hub: a name it does not know (or no network) stops here, in one line
+        tokenizer = run_tokenizer(cfg)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     # --master_weights: the weights that train in full (the policy without LoRA, the critic, and the reference,
     # which so computes as the policy does) are held in float32 and compute in --dtype (models.compute_in)
     master = cfg.master_weights and not cfg.lora_rank  # LoRA: a frozen base in --dtype, float32 adapters (peft)

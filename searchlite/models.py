@@ -91,6 +91,16 @@ def load_tokenizer(path: str):
     return tok
 
 
+def run_tokenizer(cfg):
+    """The tokenizer of a run's --tokenizer or --model; one that cannot be loaded (a hub name the hub
+    does not know, no network) is a ConfigError naming the flag, not transformers' traceback."""
+    flag, spec = ("tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model", cfg.model)
+    try:
+        return load_tokenizer(spec)
+    except OSError as e:
+        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer: {str(e).splitlines()[0]}") from None
+
+
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,
                 master: bool = False):
     """A causal LM from a Hugging Face folder or hub name; a LoRA run's checkpoint folder (an

@@ -391,7 +391,7 @@ def stage1(cfg) -> Path:
 def _stage1(cfg) -> Path:
     from .config import format_config, resolve_path, save_config
     from .data import read_qa
-    from .models import GracefulStop, load_policy, load_tokenizer, pick_device, reuse_freed_memory, set_aside
+    from .models import GracefulStop, load_policy, pick_device, reuse_freed_memory, run_tokenizer, set_aside
     from .protocol import get_protocol
     from .retrieval import config_retriever
     from .sampler import HFSampler
@@ -415,7 +415,7 @@ def _stage1(cfg) -> Path:
     retriever = config_retriever(cfg)
     device = pick_device(cfg.device)
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    tokenizer = run_tokenizer(cfg)  # a hub name it cannot load is a ConfigError, in one line
     model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
     protocol = get_protocol(cfg.protocol, cfg.template)
     # only now that everything has loaded: a stage 1 that stops before this changes no file

@@ -164,6 +164,20 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
 
+def test_a_model_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch):
+    """A hub name the hub does not know (or no network) ended in transformers' OSError traceback,
+    about 50 s in; now one line naming the flag, before the model loads."""
+    import searchlite.models
+
+    def unknown(path):
+        raise OSError(f"{path} is not a local folder and is not a valid model identifier\nmore lines")
+
+    monkeypatch.setattr(searchlite.models, "load_tokenizer", unknown)
+    with pytest.raises(SystemExit, match=r"^error: --model Org/nosuch: could not load its tokenizer: Org/nosuch is "
+                                         r"not a local folder and is not a valid model identifier$"):
+        train.main(["--model", "Org/nosuch", "--out_dir", str(tmp_path / "run"), "--steps", "1"])
+
+
 def test_a_second_run_in_a_folder_in_use_is_refused(tiny_model, tmp_path):
     """Two runs in one out_dir mixed their checkpoints and logs (a checkpoint of one seed beside
     the other's config.json); while one holds the folder, another stops before it loads anything."""
