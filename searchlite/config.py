@@ -350,7 +350,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     `reads`, when given (as to parse_args), limits the checks to the fields the program uses."""
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
-    from .protocol import missing_template, rewrite_path, template_path
+    from .protocol import get_protocol, missing_template, rewrite_path, template_path
     from .retrieval import KINDS
 
     def used(name: str) -> bool:
@@ -426,6 +426,13 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     prompt = template_path(cfg.protocol, cfg.template)
     if not prompt.exists():
         raise ConfigError(f"--template {cfg.template!r}: {missing_template(prompt, cfg.protocol)}")
+    if prompt.is_dir():
+        raise ConfigError(f"--template {cfg.template!r} is a folder; give a prompt file with {{question}}, a set name "
+                          "(toy, fewshot) or '' (the paper's)")
+    try:  # the prompt itself: a file without {question}
+        get_protocol(cfg.protocol, cfg.template)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--template {cfg.template!r}: {e}") from None
     if used("mem_coef") and cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
         raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
                           f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "

@@ -92,14 +92,16 @@ def main(argv=None) -> None:
     ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
     ap.add_argument("--max_turns", type=at_least(0), default=None, help="search budget (default: a train.py run's "
                     "own, else 4)")
-    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: a train.py "
-                    "run's own; the toy warm start's [toy] preset, 0.7; else 1)")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 = greedy (default: a "
+                    "train.py run's own; the toy warm start's [toy] preset, 0.7; else 1)")
     ap.add_argument("--max_new_tokens", type=at_least(1), default=None, help="tokens sampled a turn at most "
                     "(default: a train.py run's own; the toy warm start's [toy] preset, 64; else 500)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--out", default="trajectories.html", help="output HTML file")
     args = ap.parse_args(argv)
+    if args.temperature is not None and not args.temperature >= 0:
+        ap.error(f"argument --temperature: must be at least 0 (0 = greedy, as --greedy), got {args.temperature}")
 
     from .config import DEFAULT_PRESETS, TOY_DIR, read_presets, resolve_path
     from .data import DataError, read_qa
@@ -121,8 +123,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
     try:
         fill_prompt_settings(args)
+        protocol = get_protocol(args.protocol, args.template)  # an unknown protocol, a template without {question}
         model, tok = load_model(args.model)
-    except ModelError as e:
+    except (ModelError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     # sampled as the run was; the toy warm start as the [toy] preset samples it (temperature 1 garbles its
     # names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
@@ -132,10 +135,11 @@ def main(argv=None) -> None:
              read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
     temperature = args.temperature if args.temperature is not None else saved.get("temperature", 1.0)
     max_new_tokens = args.max_new_tokens or saved.get("max_new_tokens", 500)
-    sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature, max_new_tokens=max_new_tokens)
-    ro = rollout(sampler, retriever, tok, get_protocol(args.protocol, args.template),
-                 [q.question for q in qa], max_turns=args.max_turns, topk=args.topk, chat_template=args.chat_template,
-                 greedy=args.greedy)
+    greedy = args.greedy or temperature == 0  # (transformers refuses temperature 0)
+    sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature if not greedy else 1.0,
+                        max_new_tokens=max_new_tokens)
+    ro = rollout(sampler, retriever, tok, protocol, [q.question for q in qa], max_turns=args.max_turns,
+                 topk=args.topk, chat_template=args.chat_template, greedy=greedy)
     rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]
     print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa], title=f"{args.model} on {args.data}"))
 

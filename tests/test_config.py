@@ -241,6 +241,8 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--retriever", "rank_bm25", "--index", "toy/model"), "--retriever rank_bm25 with --index toy/model: rank_bm25"),
     (("--template", "toyy"), "toyy_search_r1.txt does not exist; give a prompt file with {question}, or a set here: "
                              "fewshot, toy, '' (the paper's)"),
+    (("--template", "searchlite/templates"), "--template 'searchlite/templates' is a folder; give a prompt file"),
+    (("--template", "configs.toml"), "configs.toml: a prompt template needs a {question}"),  # run in the repo root
     (("--mem_coef", "0.1"), "search_r1_rewrite.txt does not exist (R1-Searcher++ runs with --protocol r1_searcher_pp)"),
 ])
 def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):

@@ -94,6 +94,22 @@ def test_unmasked_passages_are_shown_as_trained_on(byte_tokenizer):
     assert "in the loss (loss_mask 1)" in legend and "not in the loss (loss_mask 0)" in legend
 
 
+def test_the_command_names_a_bad_protocol_or_template_and_takes_temperature_0_as_greedy(tmp_path, capsys):
+    """An unknown protocol or template, or --temperature 0, ended in tracebacks."""
+    from searchlite.view import main
+
+    with pytest.raises(SystemExit, match=r"^error: unknown protocol 'searchr1' \(valid: search_r1, r1_searcher_pp\)$"):
+        main(["--protocol", "searchr1"])
+    with pytest.raises(SystemExit, match=r"^error: .*nosuch_search_r1.txt does not exist"):
+        main(["--template", "nosuch"])
+    with pytest.raises(SystemExit):
+        main(["--temperature", "-1"])
+    assert "argument --temperature: must be at least 0" in capsys.readouterr().err
+    main(["--n", "2", "--temperature", "0", "--out", str(tmp_path / "zero.html")])
+    main(["--n", "2", "--greedy", "--out", str(tmp_path / "greedy.html")])
+    assert (tmp_path / "zero.html").read_text() == (tmp_path / "greedy.html").read_text()
+
+
 def test_the_command_refuses_no_questions(capsys):
     from searchlite.view import main
 
