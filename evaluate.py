@@ -114,8 +114,11 @@ def make_retriever(args):
         except ConfigError as e:
             raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url)
-    return build_retriever(args.retriever, index_corpus(args.corpus, args.index), encoder=args.encoder or None,
-                           index=args.index or None)
+    corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own
+    if corpus is not None and not Path(corpus).is_file():
+        raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
+                        "(a passages JSONL)")
+    return build_retriever(args.retriever, corpus, encoder=args.encoder or None, index=args.index or None)
 
 
 # ---------------------------------------------------------------------------- settings and outputs
@@ -397,6 +400,8 @@ def evaluate(args, held: ExitStack) -> dict:
         setup = (settings(args, source, protocol, prompts) | {"data": files}
                  | fingerprints(source, corpus_used(args), files, args.index, encoder_used(args)))
         marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
+        if out.is_file():
+            raise EvalError(f"--out {out} is a file; expected a folder (made if missing)")
         held.enter_context(lock_out(out))  # before anything in --out is read or written
         check_settings(out, setup, args.overwrite, marks_nothing)
         log = RecordLog(out / "records.jsonl")  # a damaged line is a DataError, named here before the model loads

@@ -414,6 +414,10 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name in files + (["index"] if cfg.index else []):
         if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():
             raise ConfigError(f"--{name} {getattr(cfg, name)}: no such file")
+        if used(name) and name != "index" and Path(resolve_path(getattr(cfg, name))).is_dir():
+            raise ConfigError(f"--{name} {getattr(cfg, name)} is a folder; expected a JSONL file")
+    if used("out_dir") and cfg.out_dir and Path(cfg.out_dir).is_file():
+        raise ConfigError(f"--out_dir {cfg.out_dir} is a file; expected a folder (made if missing)")
     if cfg.retriever == "http" and not cfg.retriever_url:
         raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
                           "http://127.0.0.1:8000; start one with python retrieve.py serve)")

@@ -367,6 +367,16 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch):
     assert len((out / "records.jsonl").read_text().splitlines()) == 8
 
 
+def test_a_file_for_out_or_a_missing_corpus_is_named_with_its_flag(world, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit, match=f"^error: --out {re.escape(str(afile))} is a file; expected a folder"):
+        evaluate.main(cli(world, afile, "--methods", "direct"))
+    missing = tmp_path / "missing.jsonl"  # was: "[Errno 2] No such file or directory: ..."
+    with pytest.raises(SystemExit, match=f"^error: --corpus {re.escape(str(missing))}: no such file"):
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--corpus", str(missing)))
+
+
 def test_a_resume_refuses_another_file_under_a_set_name_it_holds(world, tmp_path):
     """Records are keyed by (set name, method, id): another alpha.jsonl with the same ids must not
     be scored with the answers given to the first one. A new set may join the folder."""
