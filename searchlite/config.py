@@ -277,6 +277,9 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
             raise ConfigError(f"command line: unknown flag --{key}{_closest(key, reads, prog, 'flag')}")
         if key != "preset" and reads and key not in reads:
             raise ConfigError(f"command line: python {prog} does not read --{key} (it reads: --{', --'.join(reads)})")
+        if not reads and key in STAGE1_ONLY:  # train.py would run and ignore it, as it ignores such a preset
+            raise ConfigError(f"command line: python {prog} does not read --{key}: it is a setting of R1-Searcher++'s "
+                              "stage 1, python -m searchlite.r1pp stage1")
         if not eq:
             # the next argument is this flag's value unless it is a flag itself (a negative number
             # has one dash): `--out_dir $RUN --resume` with RUN empty must not make a folder '--resume'
@@ -505,7 +508,7 @@ def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFA
         table = load_preset(default_preset, presets) if default_preset in names else {}
         lines.append(f"presets ({presets.name}; '{default_preset}' unless --preset is given, 'none' for the "
                      f"defaults below): " + ", ".join(names))
-    for f in (f for f in fields(Config) if not reads or f.name in reads):
+    for f in (f for f in fields(Config) if (f.name in reads if reads else f.name not in STAGE1_ONLY)):
         kind = type(f.default).__name__
         preset = f"; with no --preset: {table[f.name]!r}" if table.get(f.name, f.default) != f.default else ""
         lines.append(f"  --{f.name:<24} {kind:<5} {helps.get(f.name, '')} (default: {f.default!r}{preset})")

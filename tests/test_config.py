@@ -117,6 +117,16 @@ def test_suggestions_for_presets_keys_and_values_name_only_close_ones(presets, t
         check_config(parse_args(["--kl_kind", "k2"]))
 
 
+def test_train_py_refuses_and_hides_stage_1_settings():
+    """train.py ran with --sft_epochs 3 and ignored it (a preset that sets it was already refused)."""
+    from searchlite.config import STAGE1_ONLY, usage
+
+    with pytest.raises(ConfigError, match=r"python train.py does not read --sft_epochs: it is a setting of "
+                                          r"R1-Searcher\+\+'s stage 1"):
+        parse_args(["--sft_epochs", "3"])
+    assert not any(f"--{k} " in usage("train.py") for k in STAGE1_ONLY)
+
+
 def test_a_program_that_reads_a_few_fields_suggests_only_those(capsys):
     from searchlite.r1pp import STAGE1_FIELDS
 
