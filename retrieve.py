@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from searchlite.config import ArgumentParser, HelpFormatter, resolve_path
+from searchlite.config import ArgumentParser, HelpFormatter, at_least, resolve_path
 from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
 
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
             a("queries", nargs="+", help="one or more queries")
         else:
             a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-            a("--port", type=int, default=8000, help="port to listen on")
+            a("--port", type=at_least(1, 65535), default=8000, help="port to listen on")
             a("--max_queries", type=int, default=4096, help="queries per request at most")
             a("--topk", type=int, default=3, help="passages per query for a request that sends no topk, null or 0 "
               "(Search-R1's server does the same with its --topk)")

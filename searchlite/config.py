@@ -475,12 +475,14 @@ def bool_arg(value: str) -> bool:
     return value.lower() in TRUE
 
 
-def at_least(low: int):
-    """An argparse `type` for an int flag: refuses values under `low` with the flag's name."""
+def at_least(low: int, high: int | None = None):
+    """An argparse `type` for an int flag: refuses values under `low` (or over `high`) with the flag's name."""
     def int_(value: str) -> int:
         n = int(value)
         if n < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        if high is not None and n > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {n}")
         return n
     int_.__name__ = "int"  # argparse: "invalid int value: 'x'"
     return int_

@@ -913,3 +913,12 @@ def test_client_fails_clearly_when_the_server_is_gone(toy_passages):
         assert client.search([toy_passages[0].text], 1)[0]
     with pytest.raises(RuntimeError, match=re.escape(url + "/retrieve") + r" failed after 3 attempt\(s\).*retrieve.py serve"):
         client.search([toy_passages[0].text], 1)
+
+
+def test_serve_refuses_a_port_no_socket_has(capsys):
+    """--port 99999 printed 'serving http://127.0.0.1:99999/retrieve' and listened on a random port."""
+    import retrieve
+
+    with pytest.raises(SystemExit):
+        retrieve.main(["serve", "--port", "99999"])
+    assert "argument --port: must be at most 65535, got 99999" in capsys.readouterr().err
