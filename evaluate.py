@@ -437,8 +437,9 @@ def evaluate(args, held: ExitStack) -> dict:
                 records.setdefault(name, {})[method] = recs
     except (KeyboardInterrupt, RuntimeError) as e:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"
-        sys.exit(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; "
-                 "rerun the same command to continue.")
+        print(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; rerun the same command to "
+              "continue.", file=sys.stderr, flush=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)  # 130 after Ctrl-C, as train.py: a script stops
     every = [r for per_method in records.values() for recs in per_method.values() for r in recs]
     if judge is not None:
         warn_no_verdict(every, log.path)

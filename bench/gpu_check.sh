@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: one GRPO step of a randomly initialised Qwen2.5-3B-shaped model (bf16, gradient
+# GPU check: one GRPO step of a randomly initialised Qwen2.5-3B-shaped model (bf16 over float32 weights, gradient
 # checkpointing, HFSampler) on one GPU; prints rollout tokens/s, update tokens/s and peak GPU
 # memory. A smoke test: one cold step each, not a benchmark of steady-state speed. Needs a CUDA
 # build of torch and transformers, nothing else (no vLLM, no downloads).

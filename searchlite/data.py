@@ -190,7 +190,7 @@ def _answers(obj: dict, key: str, path, line_no: int) -> list[str]:
         raise DataError(f"{path}:{line_no}: field '{key}' is an empty list")
     for a in v:
         if not isinstance(a, str):
-            raise DataError(f"{path}:{line_no}: field '{key}' holds a {type(a).__name__}, not a string: {a!r}")
+            raise DataError(f"{path}:{line_no}: field '{key}' holds {a!r} ({type(a).__name__}), not a string")
         if not a.strip():
             raise DataError(f"{path}:{line_no}: field '{key}' holds an empty answer")
     return list(v)

@@ -270,3 +270,9 @@ def serve(retriever, host: str = "127.0.0.1", port: int = 8000, **settings) -> N
     import uvicorn
 
     uvicorn.run(make_app(retriever, **settings), host=host, port=port, access_log=False)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit("the server runs from retrieve.py: python retrieve.py serve --help")

@@ -337,7 +337,7 @@ def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
     assert results["average"]["rag"]["n"] == 8 and rows[("average", "direct")][1] == "0.633"
 
 
-def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch):
+def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
     from searchlite.sampler import HFSampler
 
     out = tmp_path / "out"
@@ -351,8 +351,9 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch):
         return real(self, prompts, *a, **kw)
 
     monkeypatch.setattr(HFSampler, "generate", dying)
-    with pytest.raises(SystemExit, match="rerun the same command"):
+    with pytest.raises(SystemExit) as stopped:
         evaluate.main(cli(world, out, "--methods", "direct,rag"))
+    assert stopped.value.code == 130 and "rerun the same command" in capsys.readouterr().err  # as train.py's
     done = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len(done) == sum(seen)  # every finished batch is on disk
     monkeypatch.setattr(HFSampler, "generate", real)
