@@ -51,10 +51,11 @@ _LEAD = re.compile(r"\W*" + _NOT + _WORD, re.I)
 _TRUE_FALSE = re.compile(_NOT + _WORD, re.I)
 _FIRST_WORD = re.compile(r"\W*" + _NOT + r"\b(correct|right|yes|incorrect|wrong|no)\b", re.I)
 _OPENING_WORD = re.compile(_FIRST_WORD.pattern + r"(?=[\s*_]*(?:[.,:;!)\n]|$))", re.I)  # "No." not "No doubt"
-# the last resort, a first word with words after it ("Correct because ..."), but not one that opens a
-# noun phrase or a hedge: "Correct answer: Lyon", "Right answer would be", "No doubt", "Yes and no"
-_FIRST_WORD_ALONE = re.compile(_FIRST_WORD.pattern + r"(?![\s*_]+(?:answers?|responses?|ones?|doubt|and|or|but)\b)",
-                               re.I)
+# the last resort, a first word with words after it ("Correct because ...", "Wrong answer."), but not a
+# "correct"/"right"/"yes" that opens a noun phrase going on ("Correct answer: Lyon", "Right answer would
+# be") or a hedge ("Yes and no"), nor "No doubt"
+_NOT_ALONE = re.compile(r"(?:correct|right|yes)[\s*_]+(?:(?:answers?|responses?|ones?)\b(?![\s*_]*(?:[.!]|$))|"
+                        r"(?:and|or|but)\b)|no[\s*_]+doubt\b", re.I)
 
 
 class JudgeError(RuntimeError):
@@ -98,7 +99,8 @@ def verdict(reply: str) -> bool | None:
     if not found:
         for found in _TRUE_FALSE.finditer(answer):  # the last one: an explanation ends with it
             pass
-    found = found or _FIRST_WORD_ALONE.match(answer)
+    if not found and (first := _FIRST_WORD.match(answer)) and not _NOT_ALONE.match(answer, first.start(2)):
+        found = first
     if not found:
         return None
     if _HEDGE.search(found.group(1) or ""):

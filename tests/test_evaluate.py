@@ -843,6 +843,8 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("Correct because both name Paris", True), ("Wrong since Lyon is not Paris", False),
     ("Correct answer: Lyon. Prediction wrong", None), ("Right answer would be Lyon", None),
     ("No doubt the prediction is", None), ("Yes and no", None),
+    ("Correct answer.", True), ("Correct answer!", True), ("Wrong answer.", False),  # the noun phrase ends there
+    ("Incorrect answer, it is Paris", False), ("Wrong and misleading", False),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
