@@ -467,13 +467,14 @@ def _parse_item(item) -> Hit:
     """A Hit from one item of a Search-R1 server's result: {"document": {"id", "contents"}, "score"},
     a bare document, or title and text fields; anything else is a ValueError that shows the item."""
     doc = item.get("document", item) if isinstance(item, dict) else None
-    if not isinstance(doc, dict) or not ({"contents", "title", "text"} & doc.keys()):
-        raise ValueError(f"a result item is not a document with 'contents' (or 'title' and 'text'): "
+    fields = {"contents", "title", "text"} & doc.keys() if isinstance(doc, dict) else set()
+    if not fields or any(not isinstance(doc[f], str) for f in fields):  # (a null would read as "None")
+        raise ValueError(f"a result item is not a document with 'contents' (or 'title' and 'text') strings: "
                          f"{json.dumps(item)[:200]}")
     if "contents" in doc:
-        title, text = split_contents(str(doc["contents"]))
+        title, text = split_contents(doc["contents"])
     else:
-        title, text = str(doc.get("title", "")), str(doc.get("text", ""))
+        title, text = doc.get("title", ""), doc.get("text", "")
     return Hit(str(doc.get("id", "")), title, text, float(item.get("score", 0.0)))
 
 

@@ -306,6 +306,7 @@ def test_http_client_accepts_bare_documents(server):
     ([[{"document": {"id": "7", "body": "Capital."}, "score": 1.0}]], "not a document with 'contents'"),
     ([["Paris is the capital"]], 'not a document .*: "Paris is the capital"'),
     ([[{"document": {"contents": "x"}, "score": "high"}]], "could not convert string to float"),
+    ([[{"document": {"title": None, "text": "x"}}]], "'title' and 'text'\\) strings"),  # was the title 'None'
     ([None], "answered query 'q' with null, not a list of documents"),
 ])
 def test_http_client_names_the_server_of_a_reply_it_cannot_read(server, result, message):
