@@ -303,7 +303,8 @@ def read_log(path, cut: bool = True, need: tuple[str, ...] = ()) -> list[dict]:
 def lock_folder(folder, name: str):
     """An exclusive lock on `folder` for this process: the open file `folder/name` (closing it, or
     the process ending, lets go), or None when another process holds it. Two runs writing one
-    folder would mix their checkpoints and logs. flock: Linux and macOS."""
+    folder would mix their checkpoints and logs. flock: Linux and macOS; on a filesystem without
+    it (Lustre without -o flock, some NFS) a warning, and the file unlocked."""
     import fcntl
 
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -313,6 +314,9 @@ def lock_folder(folder, name: str):
     except BlockingIOError:
         lock.close()
         return None
+    except OSError as e:  # ENOLCK, ENOSYS: no locks here, so no check that this run is alone in the folder
+        warnings.warn(f"{folder}: cannot lock {name} ({e.strerror}); nothing stops a second run from writing here",
+                      stacklevel=2)
     return lock
 
 
