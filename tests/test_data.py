@@ -232,3 +232,24 @@ def test_read_qa_warns_once_about_golds_that_normalise_to_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         read_qa(_write_lines(tmp_path / "ok.jsonl", [json.dumps(rows[2])]))
+
+
+def test_a_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch):
+    """flock fails with ENOLCK on Lustre mounted without -o flock: the run goes on, unlocked, warned."""
+    import errno
+    import fcntl
+
+    from searchlite.data import lock_folder
+
+    held = lock_folder(tmp_path / "a", "run.lock")
+    assert held is not None and lock_folder(tmp_path / "a", "run.lock") is None  # another holds it
+    held.close()
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot lock run.lock \\(No locks available\\); nothing stops a second run"):
+        lock = lock_folder(tmp_path / "b", "run.lock")
+    assert lock is not None
+    lock.close()
