@@ -154,6 +154,8 @@ def check_resume(cfg) -> list[str]:
     if ckpt is None:
         return []
     saved = load_trainer_state(ckpt, mmap=True)["config"]
+    if "master_weights" not in saved and saved.get("dtype") != "float32":  # saved before the field: bf16 weights
+        saved = {**saved, "master_weights": False}  # so a resume names the change (twice the weight memory)
     keys = RESUME_FIXED + RESUME_FIXED_PPO * (cfg.algo == "ppo") + RESUME_FIXED_LORA * bool(cfg.lora_rank)
     norm = lambda k, v: sorted(t.strip() for t in v.split(",")) if k == "lora_targets" else v  # noqa: E731
     changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in keys
@@ -375,8 +377,9 @@ def train(argv, held: contextlib.ExitStack) -> None:
     rewriter = None  # R1-Searcher++'s rewrite model: the starting (stage-1) policy, frozen (the reference if kept)
     if cfg.mem_coef > 0:
         fresh = ckpt or dist.is_sharded(policy)  # (a sharded policy cannot be copied)
-        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device, master=master)
-                                                         if fresh else policy)
+        # without a reference it only samples: held in --dtype (no float32 copy on every rank), fresh or copied alike
+        frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy,
+                                                         cfg.dtype)
         rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                              top_p=cfg.top_p, seed=(cfg.seed + 1_000_003 * (dist.world() + dist.rank())) % 2**32,
                              batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's

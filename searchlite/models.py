@@ -97,8 +97,8 @@ def run_tokenizer(cfg):
     flag, spec = ("tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model", cfg.model)
     try:
         return load_tokenizer(spec)
-    except OSError as e:
-        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError) as e:  # ValueError: a folder without tokenizer files
+        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer: {' '.join(str(e).split())[:300]}") from None
 
 
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,
@@ -129,6 +129,7 @@ def compute_in(model: nn.Module, dtype: str) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
 def autocast(model: nn.Module):
     """The context a forward pass of `model` runs in: `torch.autocast` to its compute dtype
     (`compute_in`), or nothing for a model that computes in the dtype it holds. Wrap only forward
@@ -137,14 +138,30 @@ def autocast(model: nn.Module):
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     dtype = getattr(inner, "searchlite_compute_dtype", None)
     if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(next(inner.parameters()).device.type, dtype=dtype)
+        yield
+        return
+    # autocast keeps a weight's bf16 copy for the block only if the weight requires grad: a frozen float32
+    # copy (the reference, R1-Searcher++'s rewriter) would be cast again at every decoding step. With no
+    # graph being built (no_grad), marking its weights for the block changes nothing else.
+    frozen = [] if torch.is_grad_enabled() else [p for p in inner.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        with torch.autocast(next(inner.parameters()).device.type, dtype=dtype):
+            yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
+def frozen_copy(model: nn.Module, dtype: str | None = None) -> nn.Module:
+    """A copy of `model` that no gradient reaches (the reference). `dtype`: the copy held in it and
+    computing in it, float32 master weights or not (a model that only samples)."""
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
+    if dtype is not None:
+        ref.to(DTYPES[dtype]).searchlite_compute_dtype = None
     return ref
 
 

@@ -247,7 +247,6 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--model", "toy/model/.."), "--model toy/model/..: no config.json or adapter_config.json in that folder; the model is in "),
     (("--model", "toy/train.jsonl"), "--model toy/train.jsonl is a file; expected a Hugging Face model folder"),
-    (("--tokenizer", "toy/model/../.."), "--tokenizer toy/model/../..: no tokenizer.json or tokenizer_config.json"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),
     (("--retriever", "dense"), "--retriever dense needs --encoder"),
     (("--retriever", "rank_bm25", "--index", "toy/model"), "--retriever rank_bm25 with --index toy/model: rank_bm25"),

@@ -353,6 +353,36 @@ def test_master_weights_keep_the_updates_bf16_weights_round_away(tiny_model, mas
     assert torch.equal(train.score_tokens(frozen_copy(policy), make_rollout(IDS), 2, "cpu"), logp)
 
 
+def test_a_frozen_master_weight_copy_casts_its_weights_once_a_generate_call(tiny_model):
+    """autocast keeps its bf16 copy of a weight for the whole call only for weights that require
+    grad: the reference and R1-Searcher++'s rewriter (frozen float32 copies) were cast again at
+    every generated token, four times the weight traffic of bf16 weights. They stay frozen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from searchlite.models import frozen_copy, load_policy, load_tokenizer
+    from searchlite.sampler import HFSampler
+
+    class CountCasts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0].dim() == 2 and kwargs.get("dtype") == torch.bfloat16:
+                self.n += 1  # a float32 matrix (a weight) cast to bf16
+            return func(*args, **kwargs)
+
+    policy = load_policy(tiny_model, "bfloat16", master=True)
+    casts = {}
+    for name, model in (("policy", policy), ("frozen", frozen_copy(policy))):
+        sampler = HFSampler(model, load_tokenizer(tiny_model), max_new_tokens=12, temperature=1.0)
+        with CountCasts() as counter:
+            sampler.generate([[5, 9, 12]], greedy=True)
+        casts[name] = counter.n
+    weights = sum(p.dim() == 2 for p in policy.parameters())  # (the embedding is looked up, not cast)
+    assert casts["frozen"] == casts["policy"] <= weights  # once each, not once each of the 12 tokens
+    assert not any(p.requires_grad for p in frozen_copy(policy).parameters())
+
+
 def make_rollout(ids):
     from searchlite.rollout import Rollout
 

@@ -118,6 +118,23 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
 
 
+def test_resuming_a_bf16_checkpoint_from_before_master_weights_names_the_change(tiny_model, tmp_path, varied_reward):
+    """A bf16 checkpoint whose config has no master_weights held bf16 weights: resumed with float32
+    master weights (twice their memory), the note says so; an old float32 one says nothing."""
+    from searchlite.config import parse_args
+
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--dtype", "bfloat16", "--master_weights", "false"]))
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    del state["config"]["master_weights"]  # as saved before the field existed
+    torch.save(state, out / "checkpoint" / "trainer.pt")
+    resumed = lambda dtype: parse_args(args(tiny_model, out, "grpo", steps=2, extra=["--resume", "--dtype", dtype]))  # noqa: E731
+    assert "master_weights: False -> True" in train.check_resume(resumed("bfloat16"))
+    state["config"]["dtype"] = "float32"
+    torch.save(state, out / "checkpoint" / "trainer.pt")
+    assert not any("master_weights" in c for c in train.check_resume(resumed("float32")))
+
+
 def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_path, varied_reward, capsys):
     """The restored optimizer and schedule keep the checkpoint's learning rate: a resume with
     another --lr (or seed, weight decay, ...) is refused, naming it, before any model loads; the
@@ -174,8 +191,14 @@ def test_a_model_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(searchlite.models, "load_tokenizer", unknown)
     with pytest.raises(SystemExit, match=r"^error: --model Org/nosuch: could not load its tokenizer: Org/nosuch is "
-                                         r"not a local folder and is not a valid model identifier$"):
+                                         r"not a local folder and is not a valid model identifier more lines$"):
         train.main(["--model", "Org/nosuch", "--out_dir", str(tmp_path / "run"), "--steps", "1"])
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --tokenizer searchlite/templates: could not load its tokenizer: "
+                                         r"Couldn't instantiate the backend tokenizer"):  # was a ValueError traceback
+        train.main(["--tokenizer", "searchlite/templates", "--out_dir", str(tmp_path / "run"), "--steps", "1"])
 
 
 def test_a_second_run_in_a_folder_in_use_is_refused(tiny_model, tmp_path):
