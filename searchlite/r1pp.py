@@ -455,7 +455,8 @@ def _stage1(cfg) -> Path:
         losses = sft(model, kept.input_ids, kept.loss_mask, attention_mask=kept.attention_mask, epochs=cfg.sft_epochs,
                      lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.micro_batch_size,
                      weight_decay=cfg.weight_decay,
-                     grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop)
+                     grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop,
+                     run={"dtype": cfg.dtype, "master_weights": cfg.master_weights})  # the saved weights' form
     stop.exit_if_requested(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: "
                            "rerun the same command with --resume to continue")
     model.save_pretrained(out / "model")
