@@ -306,12 +306,21 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         other = "train.py" if reads else "-m searchlite.r1pp stage1"
         raise ConfigError(f"--preset {preset} sets {', '.join(foreign)}, which python {prog} does not read: "
                           f"it is a preset for python {other}")
+    from_preset = {k: f"{presets.name} [{preset}] {k} =" for k in values}  # where a value came from, for errors
     for key, value in pairs:
         values[key] = _coerce(key, value, "command line")
+        from_preset.pop(key, None)
     cfg = Config(**values)
+    cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
     if not cfg.out_dir:
         cfg.out_dir = f"runs/{preset}-{cfg.algo}"
     return cfg
+
+
+def _named(cfg, name: str) -> str:
+    """How an error names field `name`: its flag, or the preset line it came from ("configs.toml [toy]
+    temperature ="): a value nobody typed is not found under a flag."""
+    return getattr(cfg, "searchlite_sources", {}).get(name, f"--{name}")
 
 
 STAGE1_ONLY = ("cold_start_sampler", "sft_questions", "sft_epochs", "sft_lr", "sft_batch_size", "sft_rewrites")
@@ -363,21 +372,22 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name, valid in choices.items():
         value = getattr(cfg, name)
         if used(name) and value not in valid:
-            raise ConfigError(f"--{name} {value!r}: not one of {', '.join(valid)}{_closest_value(value, valid)}")
+            raise ConfigError(f"{_named(cfg, name)} {value!r}: not one of {', '.join(valid)}"
+                              f"{_closest_value(value, valid)}")
     if used("master_weights") and cfg.dtype == "float16":  # read by the programs that train
         raise ConfigError("--dtype float16: training in float16 needs loss scaling, which searchlite does not do "
                           "(small gradients underflow to 0, and AdamW's float16 states divide by 0); use bfloat16 "
                           "(GPUs since Ampere) or float32. evaluate.py and vLLM take float16")
     for name, low in AT_LEAST.items():
         if used(name) and getattr(cfg, name) < low:
-            raise ConfigError(f"--{name} {getattr(cfg, name)}: must be at least {low}")
+            raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)}: must be at least {low}")
     if used("seed") and not 0 <= cfg.seed < 2**32:
-        raise ConfigError(f"--seed {cfg.seed}: must be in [0, 2**32) (numpy's seed range)")
+        raise ConfigError(f"{_named(cfg, 'seed')} {cfg.seed}: must be in [0, 2**32) (numpy's seed range)")
     for name, (low, high, closed) in IN_RANGE.items():
         value = getattr(cfg, name)
         if used(name) and not ((value >= low if closed else value > low) and value <= high and value < math.inf):
             span = f"{'[' if closed else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
-            raise ConfigError(f"--{name} {value}: must be in {span}")
+            raise ConfigError(f"{_named(cfg, name)} {value}: must be in {span}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
     for name in ("model", "tokenizer"):
         spec = getattr(cfg, name)

@@ -45,6 +45,20 @@ def test_bool_flags(presets):
         parse_args(["--mask_retrieved", "maybe"], presets)
 
 
+def test_a_bad_value_from_a_preset_is_named_by_its_preset_line(tmp_path):
+    """temperature = -0.7 in [toy] was reported as '--temperature -0.7', a flag nobody typed."""
+    from searchlite.config import check_config
+
+    presets = tmp_path / "configs.toml"
+    presets.write_text('[toy]\ntemperature = -0.7\nalgo = "grp"\n')
+    with pytest.raises(ConfigError, match=r"^configs.toml \[toy\] algo = 'grp': not one of grpo, ppo, reinforce_pp"):
+        check_config(parse_args([], presets))
+    with pytest.raises(ConfigError, match=r"^configs.toml \[toy\] temperature = -0.7: must be in \(0, inf\)$"):
+        check_config(parse_args(["--algo", "grpo"], presets))
+    with pytest.raises(ConfigError, match=r"^--temperature -1.0: must be in"):  # typed: its flag
+        check_config(parse_args(["--algo", "grpo", "--temperature", "-1"], presets))
+
+
 def test_errors_name_key_and_closest(presets):
     with pytest.raises(ConfigError, match=r"--grop.*did you mean 'group'"):
         parse_args(["--grop", "5"], presets)
