@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import os
 import random
 import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -290,10 +292,15 @@ class GracefulStop:
     killed program, so that a script that ran it (`set -e`) stops too instead of going on."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    # Under torchrun one request can reach a rank twice: a scheduler (Slurm's scancel or time limit)
+    # signals every process, and torchrun passes the signal it got on to each rank as well. The same
+    # signal again within this many seconds is that one request, not a second one.
+    REPEAT_SECONDS = 5.0
 
     def __init__(self, announce: bool = True):
         self.requested, self.signum, self.announce = False, 0, announce  # announce: print what happens
-        self.previous = []
+        self.previous, self.at = [], 0.0
+        self.torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
     def __enter__(self) -> "GracefulStop":
         self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
@@ -304,9 +311,12 @@ class GracefulStop:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.requested:
+            if self.torchrun and signum == self.signum and now - self.at < self.REPEAT_SECONDS:
+                return  # the scheduler's copy and torchrun's of one request
             raise KeyboardInterrupt
-        self.requested, self.signum = True, signum
+        self.requested, self.signum, self.at = True, signum, now
         if self.announce:
             print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
                   "to stop at once", flush=True)

@@ -181,6 +181,32 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
 
+def test_under_torchrun_one_stop_request_delivered_twice_is_one(monkeypatch):
+    """Slurm signals every process and torchrun passes its signal on to each rank too: a rank got
+    SIGTERM twice and stopped at once, with no checkpoint. The same signal again within 5 s is that
+    one request; later, or another signal, stops at once; in one process the second stops at once."""
+    import searchlite.models
+    from searchlite.models import GracefulStop
+
+    clock = [100.0]
+    monkeypatch.setattr(searchlite.models.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(KeyboardInterrupt), GracefulStop(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        clock[0] += 0.2
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's copy: still one request
+        assert stop.requested
+        clock[0] += 6.0
+        os.kill(os.getpid(), signal.SIGTERM)  # a second request: at once
+    with pytest.raises(KeyboardInterrupt), GracefulStop(announce=False):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # another signal: at once
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(KeyboardInterrupt), GracefulStop(announce=False):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_a_model_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch):
     """A hub name the hub does not know (or no network) ended in transformers' OSError traceback,
     about 50 s in; now one line naming the flag, before the model loads."""
