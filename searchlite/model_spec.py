@@ -204,13 +204,15 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
     return model, tok
 
 
-def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> None:
+def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> Path | None:
     """Set args.protocol / template / chat_template / max_turns left unset (None) to those the run
     --model names was trained with, saying so, else to `fallback`'s: a trained run is asked in
-    the tags and prompt it learned, with its search budget (R1-Searcher++'s 8, not 4)."""
+    the tags and prompt it learned, with its search budget (R1-Searcher++'s 8, not 4). Returns
+    that run's config.json (None for another model), for the caller's other settings."""
     trained, where = trained_prompt(args.model)
     for key in PROMPT_SETTINGS:
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, fallback[key]))
             if key in trained:
                 print(f"--{key} {trained[key]!r}: as trained ({where})", flush=True)
+    return where

@@ -105,7 +105,7 @@ def main(argv=None) -> None:
 
     from .config import DEFAULT_PRESETS, TOY_DIR, read_presets, resolve_path
     from .data import DataError, read_qa
-    from .model_spec import ModelError, fill_prompt_settings, load_model, trained_prompt
+    from .model_spec import ModelError, fill_prompt_settings, load_model
     from .protocol import get_protocol
     from .retrieval import build_retriever
     from .rewards import exact_match
@@ -122,14 +122,13 @@ def main(argv=None) -> None:
     except OSError as e:
         raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
     try:
-        fill_prompt_settings(args)
+        run_config = fill_prompt_settings(args)  # a train.py run's config.json, else None
         protocol = get_protocol(args.protocol, args.template)  # an unknown protocol, a template without {question}
         model, tok = load_model(args.model)
     except (ModelError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     # sampled as the run was; the toy warm start as the [toy] preset samples it (temperature 1 garbles its
     # names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
-    _, run_config = trained_prompt(args.model)
     toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
     saved = (json.loads(run_config.read_text()) if run_config else
              read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
