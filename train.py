@@ -34,12 +34,12 @@ import torch
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
 from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
-from searchlite.data import DataError, lock_folder, read_log, read_qa, write_jsonl
+from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_trainer_state,
-                               make_optimizer, pick_device, reuse_freed_memory, rng_state, run_tokenizer,
+                               lock_run, make_optimizer, pick_device, reuse_freed_memory, rng_state, run_tokenizer,
                                save_checkpoint, set_aside, set_rng_state, trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
@@ -296,10 +296,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     if dist.is_main():  # one run at a time in out_dir: two would mix their checkpoints and logs
-        lock = lock_folder(out, "run.lock")
-        if lock is None:
-            sys.exit(f"error: another run is writing to {out}; wait for it to finish, or choose another --out_dir")
-        held.enter_context(lock)
+        try:
+            held.enter_context(lock_run(out))
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
     found = find_checkpoint(out)
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
         print(f"config:\n{format_config(cfg)}", flush=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import os
 import random
 import re
 import shutil
@@ -137,7 +136,7 @@ def autocast(model: nn.Module):
     (`compute_in`), or nothing for a model that computes in the dtype it holds. Wrap only forward
     passes (sampling, scoring, the loss's forward), not backward() or an optimizer step: autocast
     caches its bf16 copies of the weights until the outermost context ends."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = _unwrapped(model)
     dtype = getattr(inner, "searchlite_compute_dtype", None)
     if dtype is None:
         yield
@@ -202,9 +201,12 @@ def trained_logprobs(model, input_ids, attention_mask, mask, temperature: float 
 def output_head(model) -> nn.Module:
     """The LM head of a causal LM, also under DDP, peft and a LoRA run's reference (whose other
     attributes are the policy's)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model.get_output_embeddings()
+    return _unwrapped(model).get_output_embeddings()
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (its attributes are the model's), or `model` itself."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 class Critic(nn.Module):
@@ -300,7 +302,9 @@ class GracefulStop:
     def __init__(self, announce: bool = True):
         self.requested, self.signum, self.announce = False, 0, announce  # announce: print what happens
         self.previous, self.at = [], 0.0
-        self.torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        from .distributed import world
+
+        self.torchrun = world() > 1
 
     def __enter__(self) -> "GracefulStop":
         self.previous = [signal.signal(s, self._handle) for s in self.SIGNALS]
@@ -349,6 +353,17 @@ def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Cri
     replace_durably(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def lock_run(out) -> object:
+    """The lock of a train.py or stage-1 run on its out_dir (`data.lock_folder`, `run.lock`): two runs
+    in one folder would mix their checkpoints and logs. A ConfigError when another run holds it."""
+    from .data import lock_folder
+
+    lock = lock_folder(out, "run.lock")
+    if lock is None:
+        raise ConfigError(f"another run is writing to {out}; wait for it to finish, or choose another --out_dir")
+    return lock
 
 
 def set_aside(out: Path, names) -> list[str]:

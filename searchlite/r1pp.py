@@ -379,12 +379,9 @@ STAGE1_OUTPUTS = ("model", "stage1.json", "rejection_sampling.jsonl", "sft_state
 def stage1(cfg) -> Path:
     """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model;
     one stage 1 at a time in out_dir (two would mix their sampling logs and models)."""
-    from .data import lock_folder
+    from .models import lock_run
 
-    lock = lock_folder(Path(cfg.out_dir), "run.lock")
-    if lock is None:
-        sys.exit(f"error: another run is writing to {cfg.out_dir}; wait for it to finish, or choose another --out_dir")
-    with lock:
+    with lock_run(Path(cfg.out_dir)):  # (another run's: a ConfigError, which main reports)
         return _stage1(cfg)
 
 
