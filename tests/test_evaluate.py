@@ -673,6 +673,22 @@ def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_p
     assert f"--protocol 'r1_searcher_pp': as trained ({run / 'config.json'})" in capsys.readouterr().out
 
 
+def test_a_trained_run_is_asked_with_its_turn_length(world, tmp_path, capsys):
+    """--max_new_tokens defaults to the run's (as training evaluated it), else to 256; the flag overrides."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(world / "model", run / "checkpoint" / "policy")
+    (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy", "max_new_tokens": 5}))
+    base = ["--data", str(world / "beta.jsonl"), "--corpus", str(world / "corpus.jsonl"), "--max_turns", "1",
+            "--progress", "false"]
+    for model, extra, expected in [(run, [], 5), (run, ["--max_new_tokens", "3"], 3), (world / "model", [], 256)]:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        evaluate.main(["--model", str(model), *base, "--out", str(out), *extra])
+        assert json.loads((out / "run.json").read_text())["max_new_tokens"] == expected, (model, extra)
+    assert f"--max_new_tokens 5: as trained ({run / 'config.json'})" in capsys.readouterr().out
+
+
 def test_error_unknown_dataset_names_paths(world, tmp_path):
     with pytest.raises(SystemExit) as e:
         evaluate.main(cli(world, tmp_path / "o", "--data", "nq", "--data_dir", str(tmp_path / "qa")))
