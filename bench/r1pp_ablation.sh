@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # R1-Searcher++ on the toy world: stage 1 once, then the full recipe, its three ablations (the
-# paper's Table 2), plain REINFORCE++ with the EM reward, each from the same stage-1 model. 13 to 20
-# minutes a run on one CPU core (20 with another run on the second core; stage 1: ~9 more).
+# paper's Table 2), plain REINFORCE++ with the EM reward, each from the same stage-1 model. About
+# 10 minutes a run on one CPU core with another run on the second (4 Dec; stage 1: ~7 more).
 # Rerunning continues where it stopped (--resume): finished runs are skipped, an interrupted stage 1
 # samples only its missing batches, an interrupted run resumes from its last checkpoint.
 #

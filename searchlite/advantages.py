@@ -10,8 +10,8 @@ the rewards, with `scores` the (B,) per-trajectory reward and `loss_mask` the (B
     REINFORCE++  adv = reinforce_pp_advantages(scores, kl, loss_mask, kl_coef, gamma)
 
 Time steps are policy tokens only: a prompt, retrieved passage, injected message or pad
-token is not a step, so inserting any number of them changes no advantage (DESIGN.md,
-"Algorithms"). Every returned (B, T) tensor is 0 where `loss_mask == 0`.
+token is not a step, so inserting any number of them changes no advantage (Search-R1 §3.1's
+loss masking). Every returned (B, T) tensor is 0 where `loss_mask == 0`.
 
 Left out on purpose: verl's UUID-keyed grouping (a question's `group` rollouts are adjacent,
 so `scores.view(-1, group)`), RLOO / ReMax / Dr.GRPO variants, and adaptive KL control.

@@ -1,8 +1,11 @@
 """Every setting of a run in one flat dataclass, with presets and command-line overrides.
 
 Precedence: dataclass defaults < a `configs.toml` preset < CLI flags. The defaults follow
-Search-R1's scripts; with no `--preset`, the `toy` preset (the embedded toy world, scaled for
-a CPU) is applied, and `--preset none` applies none. Flags are field names, typed by the field:
+Search-R1's scripts, except what depends on run length and batching (warm-up, mini-batches:
+0) and the verl defaults those scripts inherit (top-p, entropy bonus, weight decay), which
+the qwen2.5-* presets set. With no `--preset`, the `toy` preset (the embedded toy world,
+scaled for a CPU) is applied, and `--preset none` applies none. Flags are field names, typed
+by the field:
 
     >>> cfg = parse_args(["--algo", "grpo", "--group", "5", "--lr=1e-5"])
     >>> (cfg.algo, cfg.group, cfg.lr)

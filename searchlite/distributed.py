@@ -26,7 +26,8 @@ How a step is split over ranks (the choices train.py relies on):
   `optimizer_state`).
   "auto" picks FSDP2 from `FSDP_FROM_PARAMS` trained policy parameters up, DDP below (so
   LoRA runs, whose frozen base every rank holds, use DDP). A LoRA reference (the policy with
-  its adapters off) and an offloaded reference (CPU) stay whole on each rank.
+  its adapters off) stays whole on each rank; an offloaded reference (CPU) is whole on each
+  rank under DDP and sharded, its shards in CPU memory, under FSDP2.
 - Rank 0 prints and writes config, metrics, trajectories and the checkpoint (full weights in a
   Hugging Face folder, optimizer state in one process's format, so a checkpoint resumes with
   any number of processes); every rank reads it on --resume. Evaluation splits the test

@@ -27,11 +27,11 @@ The paper released no code, so these choices are ours (and read off its text):
 - "correct" means cover-EM = 1 *and* well formed, everywhere: a malformed rollout neither
   earns the group reward nor seeds rejection sampling or memorization;
 - sigma is the population std of the search counts of the whole group, right and wrong
-  rollouts alike, as the issue's wording reads the paper (`group_sigma = "correct"`: of the
+  rollouts alike, as we read §4.2.1 (`group_sigma = "correct"`: of the
   correct rollouts only, the other reading); ties for the fewest searches all get R_group
   (rewards.group_reward);
 - well formed = the protocol's tag check (Protocol.format_ok: one tag span open at a time, each
-  closed by its own tag, one non-empty \boxed{} and no span opened after it) on the policy's own
+  closed by its own tag, one non-empty \\boxed{} and no span opened after it) on the policy's own
   text, after cutting out the result blocks the environment inserted, with no result tags the
   model wrote itself and no invalid action (the injected correction message); R_format also
   needs a final answer;

@@ -7,7 +7,7 @@ The teacher is a sampler: it reads each trajectory so far (prompt, its own earli
 the passages the real retriever returned) and writes the next turn in either protocol. It
 knows each question's hops (toy-world `meta["hops"]`) but reads values only from the
 passages it was shown, like a model would. Its mistakes are the ones RL should fix
-(R1-Searcher++ §4.1 cold start; DESIGN.md "The toy world"):
+(R1-Searcher++ §4.1 cold start; the README's "The toy world"):
 
 - answers without searching (`p_guess`): a random value of the answer's kind. A famous
   question is first answered from memory, rightly, with `p_famous_internal`, so it takes

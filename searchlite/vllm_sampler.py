@@ -28,8 +28,9 @@ Sleep mode (KV cache and weights released while training) exists only on GPUs: `
 puts the engine to sleep at level 2 there, and `push_weights` wakes it; on a CPU it does
 nothing and says so once.
 The model is compiled (torch.compile, vLLM's default; `eager=True` skips it): on a CPU that
-costs ~20-40 s at start-up and makes rollouts of the toy model 2-3x faster than eager mode,
-whose per-step Python overhead dominates with so small a model (bench/sampler_bench.py).
+costs ~10-40 s at start-up and makes rollouts of the toy model faster than eager mode, whose
+per-step Python overhead dominates with so small a model (in one busy-machine comparison,
+eager was 1.4x HFSampler and compiled 2-3.4x: README, bench/sampler_bench.py).
 A LoRA run's checkpoint (an adapter folder) given as the model is merged into its base once and
 cached (`model_spec.merged_folder`). Left out on purpose: vLLM's own multiprocessing, tensor
 parallelism inside one sampler (one sampler per rank), LoRA adapters inside vLLM (a LoRA policy
