@@ -109,9 +109,10 @@ def main(argv=None) -> None:
             a("--search_params", default=None, help="dense: faiss search parameters (default nprobe=64 for an IVF "
               "index, efSearch=128 for HNSW, none for flat)")
             a("--passage_prefix", default=None, help="dense: text before each passage (default: by encoder name)")
-            a("--shard_size", type=int, default=50_000, help="dense: passages per saved shard")
-            a("--batch_size", type=int, default=64, help="dense: passages per encoder forward")
-            a("--max_length", type=int, default=256, help="dense: tokens kept per passage and query")
+            a("--shard_size", type=at_least(1), default=50_000, help="dense: passages per saved shard")
+            a("--batch_size", type=at_least(1), default=64, help="dense: passages per encoder forward")
+            a("--max_length", type=at_least(1), default=256, help="dense: tokens kept per passage and query (at most "
+              "the encoder's positions)")
             a("--keep_shards", action="store_true", help="dense: keep the encoded shards after the build")
             a("--k1", type=float, default=1.5, help="bm25: term-frequency saturation (default 1.5, bm25s's; Search-R1's "
               "BM25 server, Pyserini, uses 0.9)")
@@ -123,10 +124,10 @@ def main(argv=None) -> None:
         else:
             a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
             a("--port", type=at_least(1, 65535), default=8000, help="port to listen on")
-            a("--max_queries", type=int, default=4096, help="queries per request at most")
+            a("--max_queries", type=at_least(1), default=4096, help="queries per request at most")
             a("--topk", type=int, default=3, help="passages per query for a request that sends no topk, null or 0 "
               "(Search-R1's server does the same with its --topk)")
-            a("--max_query_chars", type=int, default=HTTP_QUERY_CHARS,
+            a("--max_query_chars", type=at_least(1), default=HTTP_QUERY_CHARS,
               help="a longer query is cut to this many characters (default %(default)s, where searchlite's "
                    "client cuts its queries)")
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
@@ -158,7 +159,7 @@ def main(argv=None) -> None:
                 print(f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})\n     {h.text[:300]}")
             if not hits:
                 print("  (no passage matched)")
-    except (DataError, ValueError, RuntimeError, FileNotFoundError) as e:
+    except (DataError, ValueError, RuntimeError, OSError) as e:  # OSError: an encoder the hub cannot give, ...
         sys.exit(f"error: {e}")
 
 

@@ -92,6 +92,8 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     except json.JSONDecodeError as e:
         why = ("the line ends before its JSON does (cut off?)" if e.pos >= len(line.rstrip())
                else f"{e.msg} (column {e.colno})")
+        if line_no == 1 and line.strip() in ("[", "{"):  # json.dump(..., indent=2), not one object a line
+            why = "the file looks like one JSON document written over many lines; JSONL holds one object a line"
         raise DataError(f"{path}:{line_no}: bad JSON: {why}") from None
     except ValueError as e:  # NaN / Infinity (not JSON), an integer past Python's digit limit
         raise DataError(f"{path}:{line_no}: bad JSON: {e}") from None

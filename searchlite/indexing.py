@@ -35,7 +35,7 @@ import numpy as np
 from searchlite.corpus import Corpus
 from searchlite.data import DataError, write_durably
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, TextEncoder, check_index_folder, default_prefixes,
-                                  read_json_object)
+                                  encoder_name, read_json_object)
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
 TRAIN_LIMIT = 100_000  # vectors sampled to train a quantizer: k-means time and memory grow with them
@@ -104,6 +104,8 @@ def _check_manifest(folder, manifest: dict) -> None:
     if os.path.exists(path):
         old = read_json_object(path, "build settings", f"delete {folder}/shards to encode the corpus afresh")
         old.setdefault("corpus_mtime_ns", manifest["corpus_mtime_ns"])  # written before it was recorded
+        if old.get("encoder"):
+            old["encoder"] = encoder_name(old["encoder"])  # kept as typed before it was made absolute
         diff = sorted(k for k in manifest.keys() | old.keys() if manifest.get(k) != old.get(k))
         if diff:
             raise ValueError(f"{folder}/shards holds a build with other settings ({', '.join(diff)} differ); "
@@ -157,8 +159,8 @@ def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mea
     dq, dp = default_prefixes(encoder)
     query_prefix = dq if query_prefix is None else query_prefix
     passage_prefix = dp if passage_prefix is None else passage_prefix
-    _check_manifest(folder, dict(encoder=str(encoder), pooling=pooling, passage_prefix=passage_prefix,
-                                 max_length=max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
+    _check_manifest(folder, dict(encoder=enc.name, pooling=pooling, passage_prefix=passage_prefix,
+                                 max_length=enc.max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
                                  corpus_bytes=corpus.stamp[0], corpus_mtime_ns=corpus.stamp[1],
                                  num_passages=len(corpus)))
     paths = encode_shards(corpus, folder, enc, passage_prefix, shard_size, progress)

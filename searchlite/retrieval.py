@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import numbers
 import os
 import re
 import time
@@ -56,8 +57,9 @@ class Retriever:
         """Top-`k` hits for each query, best first, aligned with `queries`."""
         if isinstance(queries, str):
             raise TypeError("search() takes a list of queries, not a single string")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
+        queries, k = list(queries), int(k)  # a generator is read twice below
         unique = list(dict.fromkeys(queries))  # first-seen order
         found = self._search_unique(unique, k)
         if len(found) != len(unique):
@@ -85,6 +87,7 @@ def _corpus_record(folder, passages) -> dict:
     if isinstance(passages, Corpus):
         rec["corpus"] = os.path.abspath(passages.path)
         rec["corpus_bytes"], rec["corpus_mtime_ns"] = passages.stamp  # as it was when opened for the build
+        rec["line_lengths_sha1"] = passages.lengths_digest()
         passages.save_offsets(os.path.join(folder, "corpus_offsets.npz"))
     return rec
 
@@ -146,11 +149,18 @@ def _check_corpus(folder, settings: dict, passages) -> None:
     # or time (folders built before these were recorded are not checked). A warning, not an
     # error: the index still answers, but it scores the text as it was.
     built = [settings.get("corpus_bytes"), settings.get("corpus_mtime_ns")]
-    if (isinstance(passages, Corpus) and settings.get("corpus") == os.path.abspath(passages.path)
-            and None not in built and built != passages.stamp):
+    same_file = isinstance(passages, Corpus) and settings.get("corpus") == os.path.abspath(passages.path)
+    if same_file and None not in built and built != passages.stamp:
         warnings.warn(f"{passages.path} changed since {folder} was built from it (its size or modification time "
                       "differs): the index scores the text as it was; rebuild it with `python retrieve.py build`",
                       stacklevel=3)
+    elif (isinstance(passages, Corpus) and not same_file and settings.get("line_lengths_sha1")
+          and settings["line_lengths_sha1"] != passages.lengths_digest()):
+        # another file with the ids in place: a copy written anew (other JSON spacing), or lines moved, which
+        # would show one passage's text with another's score (folders built before this was noted: unchecked)
+        warnings.warn(f"{passages.path} is not the file {folder} was built from ({settings.get('corpus')}): its "
+                      "lines differ in length, so its passages may be other texts or in another order than the "
+                      "index scores; rebuild the index over it with `python retrieve.py build`", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------- BM25
@@ -225,6 +235,14 @@ class BM25Retriever(Retriever):
 # ---------------------------------------------------------------------------- dense
 
 
+def encoder_name(name) -> str:
+    """`name` as an index folder keeps it: a folder here as an absolute path, so that dense.json
+    loads from anywhere ("enc/x" read from another folder would be a hub name); its symlinks kept,
+    as their names may say E5 (`default_prefixes`)."""
+    name = str(name)
+    return os.path.abspath(name) if os.path.exists(name) else name
+
+
 def default_prefixes(encoder: str) -> tuple[str, str]:
     """(query prefix, passage prefix) an encoder was trained with, judged by its name:
     E5 wants "query: " / "passage: "; BGE an instruction before queries only. A folder in the
@@ -259,12 +277,25 @@ class TextEncoder:
 
         if pooling not in ("mean", "cls"):
             raise ValueError(f"unknown pooling {pooling!r}; valid: 'mean', 'cls'")
-        self.name, self.pooling, self.batch_size, self.max_length = str(name), pooling, batch_size, max_length
+        name = encoder_name(name)
+        self.name, self.pooling, self.batch_size = name, pooling, batch_size
         self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(name)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name)
+            self.model = AutoModel.from_pretrained(name).to(self.device).eval()
+        except OSError as e:  # no such folder, and no hub (offline) or no such name there
+            raise ValueError(f"encoder {name!r} could not be loaded: {e}") from None
         if self.tokenizer.pad_token is None:  # decoder-style encoders ship without one
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        self.model = AutoModel.from_pretrained(name).to(self.device).eval()
+        # a longer text would reach past the encoder's position table (BERT's 512; RoBERTa's 514 holds
+        # 512 tokens, as its tokenizer's model_max_length says) and fail in torch
+        limits = [getattr(self.model.config, "max_position_embeddings", None), self.tokenizer.model_max_length]
+        positions = min((n for n in limits if isinstance(n, int) and 0 < n < 1_000_000), default=None)
+        if positions is not None and max_length > positions:
+            warnings.warn(f"max_length {max_length} is more than encoder {name}'s {positions} positions: "
+                          f"texts are cut to {positions} tokens", stacklevel=2)
+            max_length = positions
+        self.max_length = max_length
 
     def encode(self, texts: list[str], prefix: str = "", bar=None):
         """Normalised embeddings, float32 numpy (len(texts), dim), in batches sorted by length
@@ -437,8 +468,9 @@ class HTTPRetriever(Retriever):
                 continue
             try:
                 return json.loads(body)
-            except json.JSONDecodeError as e:
-                raise RuntimeError(f"retrieval server {self.url} sent invalid JSON ({e.msg}): {body[:200]!r}") from None
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: a proxy's page in latin-1
+                raise RuntimeError(f"retrieval server {self.url} sent invalid JSON ({getattr(e, 'msg', e)}): "
+                                   f"{body[:200]!r}") from None
         raise RuntimeError(f"retrieval server {self.url} failed after {attempt + 1} attempt(s): {cause} "
                            f"(gave up after {time.monotonic() - t0:.1f}s).{hint}")
 

@@ -15,8 +15,9 @@ UTF-8, 413 for one over `max_body_bytes`, 411 for one sent without a Content-Len
 one loop takes every request that arrives within `batch_wait` seconds of the first (up to
 `max_batch` queries), runs a single `retriever.search` over all their queries, once per topk
 among them, in a worker thread, and hands each request its share; that is one encoder pass
-and one FAISS search instead of one per request; a search or batcher that fails answers the
-requests it holds 500, never leaves them waiting. The answer is turned into JSON in a worker
+and one FAISS search instead of one per request. A batch whose search fails is searched again
+request by request, so that only the request at fault is answered 500; a batcher that fails
+answers the requests it holds 500, never leaves them waiting. The answer is turned into JSON in a worker
 thread too, so a large one does not stall other requests. Left out on purpose:
 authentication and TLS; the server binds 127.0.0.1 unless told otherwise.
 
@@ -111,7 +112,7 @@ class Batcher:
         return await fut
 
     async def run(self) -> None:
-        loop, queue = asyncio.get_running_loop(), self.queue
+        queue = self.queue
         jobs, pending = [], None  # pending: a job that did not fit in the last batch; it leads the next (FIFO)
         try:
             while True:
@@ -122,16 +123,17 @@ class Batcher:
                 for job in jobs:
                     by_k.setdefault(job[1], []).append(job)
                 for k, group in by_k.items():
-                    queries = [q for qs, _, _ in group for q in qs]
                     try:
-                        hits = await loop.run_in_executor(None, self.retriever.search, queries, k)
-                        start = 0
-                        for qs, _, fut in group:
-                            if not fut.done():  # a client that went away leaves a cancelled future
-                                fut.set_result(hits[start:start + len(qs)])
-                            start += len(qs)
+                        await self._answer(group, k)
                     except Exception as e:  # answer every waiting request, keep serving
-                        _fail(group, e)
+                        if len(group) == 1:
+                            _fail(group, e)
+                            continue
+                        for job in group:  # one request's queries failed the batch: each alone, so that
+                            try:  # only that request gets the error
+                                await self._answer([job], k)
+                            except Exception as e1:
+                                _fail([job], e1)
                 jobs = []
         except BaseException as e:  # stopped (an error, a cancel): no request it holds may wait forever
             held = jobs + ([pending] if pending is not None else [])
@@ -139,6 +141,16 @@ class Batcher:
                 held.append(queue.get_nowait())
             _fail(held, e if isinstance(e, Exception) else RuntimeError("the search batcher was stopped"))
             raise
+
+    async def _answer(self, group: list, k: int) -> None:
+        """One search for every query of `group`'s requests; each request gets its own slice."""
+        queries = [q for qs, _, _ in group for q in qs]
+        hits = await asyncio.get_running_loop().run_in_executor(None, self.retriever.search, queries, k)
+        start = 0
+        for qs, _, fut in group:
+            if not fut.done():  # a client that went away leaves a cancelled future
+                fut.set_result(hits[start:start + len(qs)])
+            start += len(qs)
 
     def _fill(self, queue: asyncio.Queue, jobs: list):
         """Add queued jobs to `jobs`, in arrival order, while they fit in `max_batch` queries;

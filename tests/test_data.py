@@ -253,3 +253,11 @@ def test_a_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch):
         lock = lock_folder(tmp_path / "b", "run.lock")
     assert lock is not None
     lock.close()
+
+
+def test_a_pretty_printed_json_file_is_named_as_such(tmp_path):
+    """It was 'the line ends before its JSON does (cut off?)', which sent users looking for a cut file."""
+    (tmp_path / "qa.json").write_text('[\n  {"question": "q?", "golden_answers": ["a"]}\n]\n')
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'qa.json'}:1: bad JSON: the file looks like one JSON "
+                                                  "document written over many lines; JSONL holds one object a line")):
+        read_qa(tmp_path / "qa.json")

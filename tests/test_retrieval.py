@@ -259,6 +259,11 @@ class _SearchR1Handler(JSONHandler):
         if srv.status != 200 or srv.fail_first > 0:
             srv.fail_first -= 1
             return self.send_json(srv.status if srv.status != 200 else 500, {"detail": "boom"})
+        if isinstance(srv.reply, bytes):  # a page that is not JSON
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(srv.reply)))
+            self.end_headers()
+            return self.wfile.write(srv.reply)
         if srv.reply is not None:  # a server of another shape
             return self.send_json(200, srv.reply)
         result = []
@@ -422,3 +427,16 @@ def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
     (tmp_path / "e5_Flat.index").write_bytes(b"\0")
     with pytest.raises(ValueError, match="FAISS file .* needs retriever kind 'dense'"):
         config_retriever(SimpleNamespace(**{**vars(cfg), "index": str(tmp_path / "e5_Flat.index")}))
+
+
+def test_search_takes_any_iterable_of_queries_and_numpy_k():
+    """A generator was read twice: the second time empty, so search() returned []."""
+    spy = _Spy()
+    assert [h[0].id for h in spy.search((q for q in ["a", "b", "a"]), k=np.int64(2))] == ["a", "b", "a"]
+
+
+def test_http_client_names_the_server_of_a_reply_that_is_not_utf8(server):
+    """A proxy's latin-1 page raised a bare UnicodeDecodeError that named no server."""
+    server.reply = "caf\u00e9 page".encode("latin-1")
+    with pytest.raises(RuntimeError, match=r"retrieval server http://127.0.0.1:\d+/retrieve sent invalid JSON"):
+        HTTPRetriever(_url(server), retries=0).search(["q"], k=1)

@@ -922,3 +922,84 @@ def test_serve_refuses_a_port_no_socket_has(capsys):
     with pytest.raises(SystemExit):
         retrieve.main(["serve", "--port", "99999"])
     assert "argument --port: must be at most 65535, got 99999" in capsys.readouterr().err
+
+
+def test_a_dense_folder_built_with_a_relative_encoder_loads_from_anywhere(tmp_path, encoder, monkeypatch):
+    """dense.json kept --encoder as typed ("enc/x"): read from another folder it was a hub name."""
+    shutil.copytree(encoder, tmp_path / "enc" / "tiny-e5-bert")
+    monkeypatch.chdir(tmp_path)
+    build_dense_folder(TOY, tmp_path / "idx", "enc/tiny-e5-bert", max_length=48, progress=False)
+    assert json.loads((tmp_path / "idx" / "dense.json").read_text())["encoder"] == str(tmp_path / "enc" / "tiny-e5-bert")
+    here = load_index(tmp_path / "idx").search(QUERIES[:3], 3)
+    monkeypatch.chdir(TOY_DIR)
+    assert load_index(tmp_path / "idx").search(QUERIES[:3], 3) == here
+    # a build resumed from another folder is the same build
+    build_dense_folder(TOY, tmp_path / "idx", str(tmp_path / "enc" / "tiny-e5-bert"), max_length=48, progress=False)
+    with pytest.raises(ValueError, match=re.escape("encoder 'enc/nowhere' could not be loaded")):
+        TextEncoder("enc/nowhere")
+
+
+def test_max_length_past_the_encoders_positions_is_cut_to_them(encoder):
+    """--max_length 1024 over a 64-position encoder was saved, and the first long text crashed in torch
+    (in a server, every request batched with it got a 500)."""
+    with pytest.warns(UserWarning, match="max_length 1024 is more than encoder .* 64 positions"):
+        enc = TextEncoder(encoder, max_length=1024)
+    assert enc.max_length == 64
+    assert enc.encode(["press founder " * 200, "bank"]).shape[0] == 2
+
+
+def test_an_index_over_a_copy_with_lines_moved_warns(tmp_path, toy_passages):
+    """Count and sampled ids matched, so a corpus with two lines swapped, given by another path, loaded
+    silently and showed one passage's text with another's score."""
+    import warnings
+
+    folder = tmp_path / "i"
+    build_bm25_folder(TOY, folder, progress=False)
+    rows = [json.loads(line) for line in TOY.read_text().splitlines()]
+    a, b = 3, next(i for i in range(4, len(rows)) if len(json.dumps(rows[i])) != len(json.dumps(rows[3])))
+    rows[a], rows[b] = {**rows[b], "id": rows[a]["id"]}, {**rows[a], "id": rows[b]["id"]}  # ids stay in place
+    (tmp_path / "moved.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(TOY, tmp_path / "copy.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_index(folder, str(tmp_path / "copy.jsonl"))  # the same lines by another path: no warning
+    with pytest.warns(UserWarning, match=re.escape(f"{tmp_path / 'moved.jsonl'} is not the file {folder} was built")):
+        load_index(folder, str(tmp_path / "moved.jsonl"))
+
+
+def test_one_failing_request_in_a_batch_fails_alone(toy_passages):
+    """The merged batch's search failed for all: a short query batched with a bad one got a 500 too."""
+    import asyncio
+
+    from searchlite.server import Batcher
+
+    class Picky(CountingRetriever):
+        def search(self, queries, k):
+            if "bad" in queries:
+                raise RuntimeError("no such query")
+            return super().search(queries, k)
+
+    r = Picky(toy_passages)
+
+    async def three():
+        batcher = Batcher(r, wait=0.05, max_batch=4096)
+        try:
+            return await asyncio.gather(batcher.search([QUERIES[0]], 3), batcher.search(["bad"], 3),
+                                        batcher.search([QUERIES[1]], 3), return_exceptions=True)
+        finally:
+            batcher.task.cancel()
+
+    first, bad, last = asyncio.run(three())
+    assert first == r.inner.search([QUERIES[0]], 3) and last == r.inner.search([QUERIES[1]], 3)
+    assert isinstance(bad, RuntimeError) and str(bad) == "no such query"
+
+
+@pytest.mark.parametrize("flag", ["--shard_size", "--batch_size", "--max_length"])
+def test_cli_build_sizes_are_checked_before_anything_is_written(tmp_path, capsys, flag):
+    """--shard_size 0 failed after writing a manifest that then refused the corrected rerun."""
+    import retrieve
+
+    with pytest.raises(SystemExit):
+        retrieve.main(["build", "--corpus", str(TOY), "--encoder", "x", "--out", str(tmp_path / "o"), flag, "0"])
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
