@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from searchlite.bm25 import FILES as BM25_FILES
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
-from searchlite.data import replace_durably, split_contents, write_durably
+from searchlite.data import DataError, replace_durably, split_contents, write_durably
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
 HTTP_QUERY_CHARS = 4096  # searchlite's server cuts longer queries (server.make_app); Search-R1's takes any
@@ -596,12 +596,20 @@ def check_server(url: str, topk: int = 1) -> None:
 def config_retriever(cfg) -> Retriever:
     """The retriever a run's config names (its retriever, corpus, encoder, pooling, index and
     retriever_url fields): train.py's, stage 1's, and any script that replays a run. A server
-    that does not answer is a ConfigError (`check_server`)."""
+    that does not answer, an index or encoder that does not load, is a ConfigError, which
+    those commands print in one line."""
+    from searchlite.config import ConfigError
+
     if cfg.retriever == "http":
         check_server(cfg.retriever_url, cfg.topk)
     corpus = None if cfg.retriever == "http" else index_corpus(cfg.corpus, cfg.index)
-    return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
-                           index=cfg.index or None, url=cfg.retriever_url or None)
+    try:
+        return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
+                               index=cfg.index or None, url=cfg.retriever_url or None)
+    except DataError:  # a bad corpus line: it names its file and line already
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def index_corpus(corpus: str, index: str = "") -> str | None:

@@ -440,3 +440,16 @@ def test_http_client_names_the_server_of_a_reply_that_is_not_utf8(server):
     server.reply = "caf\u00e9 page".encode("latin-1")
     with pytest.raises(RuntimeError, match=r"retrieval server http://127.0.0.1:\d+/retrieve sent invalid JSON"):
         HTTPRetriever(_url(server), retries=0).search(["q"], k=1)
+
+
+def test_config_retriever_names_an_encoder_that_does_not_load(tmp_path):
+    """A run with a mistyped --encoder ended in a traceback from transformers."""
+    from types import SimpleNamespace
+
+    from searchlite.config import ConfigError
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    cfg = SimpleNamespace(retriever="dense", corpus=str(tmp_path / "c.jsonl"), encoder=str(tmp_path / "no" / "enc"),
+                          pooling="mean", index="", retriever_url="", topk=3)
+    with pytest.raises(ConfigError, match=re.escape(f"encoder '{tmp_path / 'no' / 'enc'}' could not be loaded")):
+        config_retriever(cfg)
