@@ -608,7 +608,9 @@ def config_retriever(cfg) -> Retriever:
                                index=cfg.index or None, url=cfg.retriever_url or None)
     except DataError:  # a bad corpus line: it names its file and line already
         raise
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        raise ConfigError(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)) from None
+    except ValueError as e:
         raise ConfigError(str(e)) from None
 
 

@@ -3,6 +3,7 @@
     write_html("runs/x/trajectories/step00010.html", ro, tokenizer, rewards, golds)
     python -m searchlite.view --model toy/model --n 6 --out view.html     # fresh rollouts (toy template)
     python -m searchlite.view --model runs/toy-grpo --greedy              # a train.py run, as it was trained
+    python -m searchlite.view --model runs/x --retriever_url http://127.0.0.1:8000   # another retriever
 
 Each trajectory shows its reward, gold answers, searches and turns; the response is split
 at every change of `loss_mask`, so the tokens trained on (those the policy sampled) and the
@@ -12,6 +13,7 @@ false, Search-R1's ablation, passages are trained on and coloured so. The prompt
 
 from __future__ import annotations
 
+import argparse
 import html
 import json
 from pathlib import Path
@@ -79,7 +81,14 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="toy/model", help="policy: a Hugging Face folder, a train.py run or checkpoint "
                     "folder, a .gguf file or smollm2 (toy/model = the embedded warm start)")
     ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
-    ap.add_argument("--corpus", default="toy/corpus.jsonl", help="passages JSONL for BM25 retrieval")
+    ap.add_argument("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's "
+                    "own retriever, as --corpus, --index, --encoder and --retriever_url; else bm25)")
+    ap.add_argument("--corpus", default=None, help="passages JSONL (default: a train.py run's, else toy/corpus.jsonl)")
+    ap.add_argument("--index", default=None, help="a saved index folder (retrieve.py build), or with --retriever "
+                    "dense a FAISS file over --corpus")
+    ap.add_argument("--encoder", default=None, help="dense retriever: encoder folder or name")
+    ap.add_argument("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies "
+                    "--retriever http)")
     ap.add_argument("--protocol", default=None, help="search_r1 | r1_searcher_pp (default: the one a train.py run "
                     "given as --model was trained with, else search_r1)")
     ap.add_argument("--template", default=None, help="prompt template: a file with {question}, or a set name "
@@ -103,11 +112,11 @@ def main(argv=None) -> None:
     if args.temperature is not None and not args.temperature >= 0:
         ap.error(f"argument --temperature: must be at least 0 (0 = greedy, as --greedy), got {args.temperature}")
 
-    from .config import DEFAULT_PRESETS, TOY_DIR, read_presets, resolve_path
+    from .config import DEFAULT_PRESETS, TOY_DIR, Config, ConfigError, read_presets, resolve_path
     from .data import DataError, read_qa
     from .model_spec import ModelError, fill_prompt_settings, load_model
     from .protocol import get_protocol
-    from .retrieval import build_retriever
+    from .retrieval import config_retriever
     from .rewards import exact_match
     from .rollout import rollout
     from .sampler import HFSampler
@@ -115,23 +124,28 @@ def main(argv=None) -> None:
     # the files first, so that a bad one is named before the model loads; a missing one, or a bad line
     # (DataError names its file and line), is one line, not a traceback
     try:
+        run_config = fill_prompt_settings(args)  # a train.py run's config.json, else None (reads no model)
+        # sampled and searched as the run was; the toy warm start as the [toy] preset samples it (temperature
+        # 1 garbles its names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
+        toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
+        saved = (json.loads(run_config.read_text()) if run_config else
+                 read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
         qa = read_qa(resolve_path(args.data))[: args.n]
-        retriever = build_retriever("bm25", resolve_path(args.corpus))
-    except DataError as e:
+        search = {k: getattr(args, k) if getattr(args, k) is not None else saved.get(k, getattr(Config, k))
+                  for k in ("retriever", "corpus", "index", "encoder", "retriever_url")}
+        if args.retriever_url:
+            search["retriever"] = "http"
+        retriever = config_retriever(argparse.Namespace(**search, pooling=saved.get("pooling", "mean"),
+                                                        topk=args.topk))
+    except (DataError, ConfigError, ModelError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
     try:
-        run_config = fill_prompt_settings(args)  # a train.py run's config.json, else None
         protocol = get_protocol(args.protocol, args.template)  # an unknown protocol, a template without {question}
         model, tok = load_model(args.model)
     except (ModelError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    # sampled as the run was; the toy warm start as the [toy] preset samples it (temperature 1 garbles its
-    # names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
-    toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
-    saved = (json.loads(run_config.read_text()) if run_config else
-             read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
     temperature = args.temperature if args.temperature is not None else saved.get("temperature", 1.0)
     max_new_tokens = args.max_new_tokens or saved.get("max_new_tokens", 500)
     greedy = args.greedy or temperature == 0  # (transformers refuses temperature 0)

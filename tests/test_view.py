@@ -140,3 +140,45 @@ def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypat
     bad.write_text('{"id": "0", "contents": "\\"T\\"\\nx"}\n{"id": "1", "contents": 5}\n')  # a corpus, line 2 bad
     with pytest.raises(SystemExit, match=f"^error: {re.escape(str(bad))}:2: field 'contents' must be a string"):
         main(["--corpus", str(bad)])
+
+
+def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_path, monkeypatch):
+    """view searched BM25 over --corpus whatever the run had searched; it now takes a run's retriever
+    settings (corpus, index, encoder, server) as it takes its prompt, and its flags win."""
+    import json
+    import shutil
+
+    import searchlite.retrieval
+    from searchlite.config import TOY_DIR
+    from searchlite.view import main
+
+    seen = []
+    real = searchlite.retrieval.build_retriever
+
+    def record(kind, corpus=None, **kw):
+        seen.append((kind, corpus, kw.get("index"), kw.get("url")))
+        return real(kind, corpus, **kw)
+
+    monkeypatch.setattr(searchlite.retrieval, "build_retriever", record)
+    run, out = tmp_path / "run", str(tmp_path / "view.html")
+    shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
+    corpus = tmp_path / "c.jsonl"
+    shutil.copy(TOY_DIR / "corpus.jsonl", corpus)
+    (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy", "retriever": "rank_bm25",
+                                                 "corpus": str(corpus)}))
+    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--out", out])
+    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--retriever", "bm25", "--out", out])
+    main(["--n", "1", "--max_turns", "0", "--out", out])  # the warm start: the toy corpus
+    assert seen == [("rank_bm25", str(corpus), None, None), ("bm25", str(corpus), None, None),
+                    ("bm25", str(TOY_DIR / "corpus.jsonl"), None, None)]
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=re.escape(f"error: --retriever_url {dead}: the retrieval server does not")):
+        main(["--model", str(run), "--n", "1", "--retriever_url", dead, "--out", out])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
