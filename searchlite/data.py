@@ -283,11 +283,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def read_log(path, cut: bool = True, need: tuple[str, ...] = ()) -> list[dict]:
+def read_log(path, cut: bool = True, need: tuple[str, ...] = (), check=None) -> list[dict]:
     """The records of an append-only JSONL log (`append_log`). A last line without its newline
     was torn by an interrupt: it is cut from the file, so the next append starts a whole line
     (cut=False only skips it: a reader while another process appends, e.g. plot.py). A record
-    lacking a field of `need` raises `DataError` naming its line."""
+    lacking a field of `need`, or one that `check(record)` finds fault with (it returns what is
+    wrong, else None), raises `DataError` naming its line."""
     path = Path(path)
     raw = path.read_bytes()
     keep = raw[: raw.rfind(b"\n") + 1]
@@ -298,6 +299,8 @@ def read_log(path, cut: bool = True, need: tuple[str, ...] = ()) -> list[dict]:
         if (obj := parse_object(line, path, n)) is not None:
             if missing := [k for k in need if k not in obj]:
                 raise DataError(f"{path}:{n}: record lacks '{missing[0]}'")
+            if check and (fault := check(obj)):
+                raise DataError(f"{path}:{n}: {fault}")
             records.append(obj)
     return records
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import ArgumentParser, HelpFormatter
-from .data import DataError, parse_object
+from .data import DataError, read_log
 
 PANELS = [("reward", "train reward"), ("em", "train EM"), ("eval/all", "held-out test EM"),
           ("searches", "valid searches / rollout"), ("response_len", "response length (policy tokens)"),
@@ -30,18 +30,15 @@ def read_metrics(run: str | Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
     if not path.is_file():
         raise DataError(f"{run}: no metrics.jsonl (give a train.py out_dir or the file itself)")
-    raw = path.read_bytes()
-    rows = []
-    for n, line in enumerate(raw[: raw.rfind(b"\n") + 1].splitlines(), 1):  # as read_log(path, cut=False)
-        row = parse_object(line, path, n)
-        if row is None:
-            continue
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, (int, float)):
-            why = "no 'step'" if step is None else f"'step' is {step!r}, not a number"
-            raise DataError(f"{path}:{n}: {why}; every row train.py logs has its step: is this a run's metrics.jsonl?")
-        rows.append(row)
-    return rows
+    return read_log(path, cut=False, check=_no_step)
+
+
+def _no_step(row: dict) -> str | None:
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        why = "no 'step'" if step is None else f"'step' is {step!r}, not a number"
+        return f"{why}; every row train.py logs has its step: is this a run's metrics.jsonl?"
+    return None
 
 
 def label(run: str | Path) -> str:
