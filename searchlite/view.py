@@ -5,7 +5,9 @@
     python -m searchlite.view --model runs/toy-grpo --greedy              # a train.py run, as it was trained
     python -m searchlite.view --model runs/x --retriever_url http://127.0.0.1:8000   # another retriever
 
-Each trajectory shows its reward, gold answers, searches and turns; the response is split
+Each trajectory shows its reward (the command's: exact match, or for a `--reward r1pp` run
+R_format + R_answer, with no R_group as it samples one rollout a question), gold answers,
+searches and turns; the response is split
 at every change of `loss_mask`, so the tokens trained on (those the policy sampled) and the
 rest (retrieved passages, injected messages) get different colours; with `mask_retrieved`
 false, Search-R1's ablation, passages are trained on and coloured so. The prompt is folded.
@@ -116,6 +118,7 @@ def main(argv=None) -> None:
     from .data import DataError, read_qa
     from .model_spec import ModelError, fill_prompt_settings, load_model
     from .protocol import get_protocol
+    from .r1pp import reward_terms
     from .retrieval import config_retriever
     from .rewards import exact_match
     from .rollout import rollout
@@ -153,8 +156,13 @@ def main(argv=None) -> None:
                         max_new_tokens=max_new_tokens)
     ro = rollout(sampler, retriever, tok, protocol, [q.question for q in qa], max_turns=args.max_turns,
                  topk=args.topk, chat_template=args.chat_template, greedy=greedy)
-    rewards = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)]
-    print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa], title=f"{args.model} on {args.data}"))
+    if saved.get("reward") == "r1pp":  # scored as the run was: R_format + R_answer (no R_group: one rollout each)
+        terms = reward_terms(ro, qa, protocol, group=1, use_group=False)
+        rewards, scored = (terms["format"] + terms["answer"]).tolist(), "reward R_format + R_answer (cover-EM)"
+    else:
+        rewards, scored = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)], "reward exact match"
+    print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa],
+                     title=f"{args.model} on {args.data}, {scored}"))
 
 
 if __name__ == "__main__":

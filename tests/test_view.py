@@ -182,3 +182,48 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch):
+    """A `--reward r1pp` run was trained on R_format (0 or -2) + R_answer (cover-EM); view showed
+    exact match for it, so a malformed trajectory read as 0 and an answer that covers the gold in
+    more words as wrong. The rollouts are replaced by hand-written ones with known rewards."""
+    import dataclasses
+    import json
+    import shutil
+
+    import searchlite.rollout
+    import searchlite.view
+    from searchlite.config import TOY_DIR
+
+    written = [
+        "<|begin_internal_answer|> I know it. <|end_internal_answer|> \\boxed{the city of Paris}",  # 0 + 1 (EM 0)
+        "<|begin_internal_answer|> I know it. <|end_internal_answer|> \\boxed{Lyon}",  # well formed, wrong: 0 + 0
+        "<|begin_internal_answer|> I know it. \\boxed{Paris}",  # a span never closed: -2 + 1 (EM 1)
+        "I do not know.",  # no answer: -2 + 0
+    ]
+    real = searchlite.rollout.rollout
+
+    def rollout(*args, **kwargs):
+        ro = real(*args, **kwargs)
+        return dataclasses.replace(ro, responses=written, answers=["the city of Paris", "Lyon", "Paris", None])
+
+    shown = {}
+    monkeypatch.setattr(searchlite.rollout, "rollout", rollout)
+    monkeypatch.setattr(searchlite.view, "write_html", lambda path, ro, tok, rewards, golds, title: shown.update(
+        rewards=rewards, title=title))
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"id": str(i), "question": f"q{i}?", "golden_answers": ["Paris"]}) + "\n"
+                          for i in range(4)))
+    run = tmp_path / "run"
+    shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
+    config = {"protocol": "r1_searcher_pp", "template": "toy", "reward": "r1pp"}
+    (run / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(run), "--data", str(qa), "--max_turns", "0", "--max_new_tokens", "4", "--greedy",
+            "--out", str(tmp_path / "v.html")]
+    searchlite.view.main(argv)
+    assert shown["rewards"] == [1.0, 0.0, -1.0, -2.0] and "R_format + R_answer" in shown["title"]
+    (run / "config.json").write_text(json.dumps({**config, "reward": "em"}))  # an EM run: exact match, as before
+    searchlite.view.main(argv)
+    assert shown["rewards"] == [0.0, 0.0, 1.0, 0.0] and "exact match" in shown["title"]
