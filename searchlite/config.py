@@ -479,6 +479,13 @@ class ArgumentParser(argparse.ArgumentParser):
                 if w.startswith("--") else w for w in words)
         super().error(message)
 
+    def changed(self, args, parser=None, keep: tuple[str, ...] = ()) -> list[str]:
+        """The flags of `parser` (default: this one; a subcommand's for one) that `args` sets away from
+        their defaults, as "--name value", leaving out `keep`."""
+        parser = parser or self
+        return [f"{a.option_strings[0]} {getattr(args, a.dest)}" for a in parser._actions
+                if a.option_strings and a.dest not in ("help", *keep) and getattr(args, a.dest) != a.default]
+
 
 def bool_arg(value: str) -> bool:
     """An argparse `type` for a boolean flag (`--progress false`)."""

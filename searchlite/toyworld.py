@@ -358,14 +358,14 @@ def main(argv=None) -> None:
                        formatter_class=HelpFormatter)
     b.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same bytes (default 0)")
     b.add_argument("--out", default=None, help="output folder (default: the package's searchlite/assets/"
-                   "toyworld, the embedded toy world that toy/ paths read, wherever the command runs; only seed "
-                   "0, the shipped model's, may rewrite it)")
+                   "toyworld, the embedded toy world that toy/ paths read, wherever the command runs; only the "
+                   "default build, the shipped model's, may rewrite it)")
     b.add_argument("--vocab_size", "--vocab-size", type=int, default=2400,
                    help="tokenizer vocabulary size, tags included (default 2400)")
     args = ap.parse_args(argv)
-    if args.out is None and args.seed != 0:  # the shipped model learned seed 0's world
-        ap.error(f"--seed {args.seed} would replace the shipped toy world (seed 0) in {TOY_DIR} under its model: "
-                 "give --out a folder of its own")
+    if args.out is None and (changed := ap.changed(args, b, keep=("out",))):  # the shipped model learned seed 0's
+        ap.error(f"{', '.join(changed)} would replace the shipped toy world and tokenizer in {TOY_DIR} under its "
+                 "model, which the default build made: give --out a folder of its own")
     args.out = args.out or str(TOY_DIR)
 
     from searchlite.toytokenizer import build_tokenizer, length_report, world_texts  # tokenizers only here

@@ -84,7 +84,8 @@ def main(argv=None) -> None:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="seed for the world, the teacher, init and SFT (default 0)")
     ap.add_argument("--out", default=None, help="toy world folder; the model goes to OUT/model (default: the "
-                    "package's searchlite/assets/toyworld, which only seed 0 may rewrite)")
+                    "package's searchlite/assets/toyworld, which only the build with every other flag at its "
+                    "default may rewrite)")
     ap.add_argument("--read_passes", "--read-passes", type=at_least(0), default=6,
                     help="first SFT phase: passes with a careful teacher that never guesses, stops early or "
                          "misreads (default 6; 0 skips the phase)")
@@ -103,9 +104,9 @@ def main(argv=None) -> None:
                     help="continue a build stopped by Ctrl-C from its SFT state (OUT/warmstart_state_*.pt); it "
                          "ends with the bytes an uninterrupted build writes")
     args = ap.parse_args(argv)
-    if args.out is None and args.seed != 0:  # the shipped world and model are seed 0's
-        ap.error(f"--seed {args.seed} would rewrite the shipped toy world (seed 0) in {TOY_DIR}, its model last: "
-                 "give --out a folder of its own")
+    if args.out is None and (changed := ap.changed(args, keep=("out", "resume"))):  # the shipped model: defaults
+        ap.error(f"{', '.join(changed)} would rewrite the shipped toy world and model in {TOY_DIR}, which only the "
+                 "default build makes: give --out a folder of its own")
     args.out = args.out or str(TOY_DIR)
     if args.read_passes + args.epochs == 0:
         ap.error("--read_passes 0 and --epochs 0 leave nothing to train on")

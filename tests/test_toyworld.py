@@ -237,16 +237,21 @@ def test_shipped_files_are_a_fresh_build_with_seed_0(tmp_path, capsys):
         assert shipped.get(name) == fresh[name], f"{name} differs: rebuild with python -m searchlite.toyworld build"
 
 
-def test_another_seed_does_not_overwrite_the_shipped_world(capsys):
-    """The shipped model learned seed 0's world: another seed into the default folder is refused
-    (by warmstart too), before anything is written; with --out it goes there."""
+def test_another_build_does_not_overwrite_the_shipped_world(capsys):
+    """The shipped model is the default build's: another seed, or any other flag away from its default
+    (warmstart's --questions 20 "for a quick small build" wrote a barely trained model over it), into the
+    default folder is refused before anything is written; with --out it goes there."""
     from searchlite import toyworld, warmstart
     from searchlite.config import TOY_DIR
 
     before = {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()}
-    for run in (lambda: toyworld.main(["build", "--seed", "1"]), lambda: warmstart.main(["--seed", "1"])):
+    for run, flags in ((toyworld.main, ["build", "--seed", "1"]), (toyworld.main, ["build", "--vocab_size", "900"]),
+                       (warmstart.main, ["--seed", "1"]), (warmstart.main, ["--epochs", "1", "--questions", "20"]),
+                       (warmstart.main, ["--threads", "1", "--resume"])):
         with pytest.raises(SystemExit):
-            run()
+            run(flags)
         err = capsys.readouterr().err
-        assert "--seed 1 would" in err and "(seed 0)" in err and err.rstrip().endswith("give --out a folder of its own")
+        named = " ".join(f for f in flags if f not in ("build", "--resume"))
+        named = ", ".join(" ".join(pair) for pair in zip(named.split()[::2], named.split()[1::2]))
+        assert f"error: {named} would" in err and err.rstrip().endswith("give --out a folder of its own")
     assert {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()} == before
