@@ -41,10 +41,15 @@ def _no_step(row: dict) -> str | None:
     return None
 
 
-def label(run: str | Path) -> str:
-    """A run's name in the legend: its folder's, also when given as its metrics.jsonl."""
-    path = Path(run).resolve()
-    return path.parent.name if path.is_file() else path.name
+def labels(runs: list[str | Path]) -> list[str]:
+    """The runs' names in the legend: each one's folder, also when given as its metrics.jsonl; a file
+    of another name (metrics.previous.jsonl, a run set aside) adds it; names still alike are paths."""
+    names = []
+    for run in runs:
+        path = Path(run).resolve()
+        names.append(path.name if not path.is_file() else path.parent.name if path.name == "metrics.jsonl"
+                     else f"{path.parent.name}/{path.name}")
+    return [name if names.count(name) == 1 else str(run) for name, run in zip(names, runs)]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -74,16 +79,20 @@ def plot(runs: list[str], out: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
-    for run, rows in zip(runs, metrics):
+    names = labels(runs)
+    for i, rows in enumerate(metrics):  # a run keeps its colour in every panel, also where another logged nothing
         for ax, (key, title) in zip(axes[0], panels):
             xs, ys = series(rows, key)
             if xs:
                 # evaluations are a few points, and one step's point has no line to show it: both get markers
                 ax.plot(xs, ys, marker="o" if key.startswith("eval/") or len(xs) == 1 else None, ms=3,
-                        label=label(run))
+                        color=f"C{i % 10}", label=names[i])
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
-    axes[0][0].legend(fontsize=8)
+    from matplotlib.lines import Line2D
+
+    axes[0][0].legend(handles=[Line2D([], [], color=f"C{i % 10}", label=name) for i, name in enumerate(names)],
+                      fontsize=8)  # every run, also one the first panel lacks
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return Path(out)
@@ -93,7 +102,7 @@ def main(argv=None) -> None:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl) or metrics.jsonl files; "
-                    "the legend names each by its folder")
+                    "the legend names each by its folder (and a file not named metrics.jsonl by its name)")
     ap.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
     args = ap.parse_args(argv)
     try:

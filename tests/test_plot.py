@@ -89,3 +89,34 @@ def test_without_matplotlib_the_error_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     with pytest.raises(SystemExit, match=r"error: plotting needs matplotlib .*\./setup\.sh plot"):
         main([str(run), "--out", str(tmp_path / "c.png")])
+
+
+def test_each_run_keeps_its_colour_and_a_name_of_its_own(tmp_path, monkeypatch):
+    """Colours came from each panel's own cycle, so a run with nothing in a panel (one that has only
+    logged its step-0 evaluation) shifted the later runs' colours there, while the legend, drawn from
+    the first panel, named them by their colours in that one. A run set aside beside its folder's
+    new one was labelled alike."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from searchlite.plot import labels
+
+    first = {"step": 0, "eval/all": {"em": 0.2}}
+    starting, run = tmp_path / "starting", tmp_path / "run"
+    for folder, rows in ((starting, [first]), (run, [first, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.7}])):
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "metrics.previous.jsonl").write_text(json.dumps(first) + "\n")
+    figs = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    plot([str(starting), str(run), str(run / "metrics.previous.jsonl")], str(tmp_path / "c.png"))
+    reward, test_em = figs[0].axes[:2]  # the panels: train reward (run's only), held-out test EM (all three)
+    assert [(line.get_label(), line.get_color()) for line in reward.get_lines()] == [("run", "C1")]
+    assert [(line.get_label(), line.get_color()) for line in test_em.get_lines()] == [
+        ("starting", "C0"), ("run", "C1"), ("run/metrics.previous.jsonl", "C2")]
+    legend = reward.get_legend()
+    assert [(t.get_text(), h.get_color()) for t, h in zip(legend.get_texts(), legend.legend_handles)] == [
+        ("starting", "C0"), ("run", "C1"), ("run/metrics.previous.jsonl", "C2")]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run").mkdir()
+    assert labels([str(run), str(tmp_path / "b" / "run")]) == [str(run), str(tmp_path / "b" / "run")]
