@@ -207,6 +207,22 @@ def index_folder(out: Path, corpus: Path, kind: str, encoder: str | None, faiss:
     return out / f"{corpus.stem}-dense-{faiss}-{Path(encoder or 'none').name}-{tag}"
 
 
+def stale(folder: Path, kind: str, corpus: Path) -> str | None:
+    """Why --reuse must not take `folder`'s index for `corpus` (None: it may): not built there, built
+    over another file (index folders are named by the corpus file's stem only), or over this one
+    before it changed."""
+    try:
+        settings = json.loads((folder / f"{kind}.json").read_text())
+    except (OSError, ValueError):
+        return "no finished index there"
+    st = corpus.stat()
+    if settings.get("corpus") != str(corpus):
+        return f"it was built over {settings.get('corpus')}"
+    if [settings.get("corpus_bytes"), settings.get("corpus_mtime_ns")] != [st.st_size, st.st_mtime_ns]:
+        return f"{corpus} changed since it was built"
+    return None
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--_measure"]:  # internal: a measured child (run_measured)
         return measured_child(sys.argv[2], sys.argv[3:])
@@ -223,8 +239,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8731, help="port for the retrieval server it starts")
     ap.add_argument("--no_serve", action="store_true", help="skip the server load test")
     ap.add_argument("--reuse", action="store_true",
-                    help="search and serve an index already built in --out (dense: with the same --faiss and "
-                         "--encoder)")
+                    help="search and serve an index already built in --out over this corpus file, unchanged "
+                         "since (dense: with the same --faiss and --encoder); another is built again")
     ap.add_argument("--_search", help=argparse.SUPPRESS)  # internal: run the search phase on this index
     args = ap.parse_args()
     if args._search:
@@ -252,9 +268,12 @@ def main() -> None:
         cmd = [PY, "retrieve.py", "build", "--corpus", str(corpus), "--kind", kind, "--out", str(folder)]
         if kind == "dense":
             cmd += ["--encoder", encoder or "", "--faiss", args.faiss]
-        if args.reuse and (folder / f"{kind}.json").exists():
+        why = stale(folder, kind, corpus) if args.reuse else "no --reuse"
+        if why is None:
             print(f"[{kind}] reusing {folder} ({disk_mib(folder):,.1f} MiB on disk)")
         else:
+            if args.reuse:
+                print(f"[{kind}] not reusing {folder}: {why}; building it again")
             wall, cpu, rss, _ = run_measured(cmd, quiet=False)  # progress bars on stderr
             print(f"[{kind}] build {wall:.1f}s wall ({cpu:.1f} CPU s), peak RSS {rss:.2f} GiB, index on disk "
                   f"{disk_mib(folder):,.1f} MiB")

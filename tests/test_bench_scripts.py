@@ -153,3 +153,24 @@ def test_realqa_eval_help_needs_no_data():
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and "Environment: REALQA (data folder)" in res.stdout, res.stderr
     assert "python evaluate.py --help" in res.stdout and "#" not in res.stdout.splitlines()[0]
+
+
+def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retrieval_bench, tmp_path):
+    """Index folders are named by the corpus file's stem, so --reuse took an index built over another
+    file of that name (and scored recall@3 0.000 against its passages); it now builds again."""
+    import os
+
+    from searchlite.retrieval import build_retriever
+
+    corpus, other = tmp_path / "c" / "wiki.jsonl", tmp_path / "d" / "wiki.jsonl"
+    for path, word in ((corpus, "apple"), (other, "pear")):
+        path.parent.mkdir()
+        path.write_text("".join(f'{{"id": "{i}", "contents": "\\"T{i}\\"\\n{word} {i}"}}\n' for i in range(5)))
+    folder = retrieval_bench.index_folder(tmp_path / "out", corpus, "bm25", None, "flat")
+    assert folder == retrieval_bench.index_folder(tmp_path / "out", other, "bm25", None, "flat")  # one name
+    assert retrieval_bench.stale(folder, "bm25", corpus) == "no finished index there"
+    build_retriever("bm25", str(corpus)).save(str(folder))
+    assert retrieval_bench.stale(folder, "bm25", corpus) is None
+    assert retrieval_bench.stale(folder, "bm25", other) == f"it was built over {corpus}"
+    os.utime(corpus, ns=(1, 1))  # the same file, changed since
+    assert retrieval_bench.stale(folder, "bm25", corpus) == f"{corpus} changed since it was built"
