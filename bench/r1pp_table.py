@@ -44,7 +44,12 @@ def need(path: Path, hint: str) -> Path:
 
 def run_summary(path: Path) -> tuple[dict, dict, int, int]:
     """(first eval row, last eval row, rewrites kept, rewrites tried) of a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from searchlite.data import DataError, read_log
+
+    try:
+        rows = read_log(path, cut=False)  # a run still going: its half-written last line is left out
+    except DataError as e:
+        raise SystemExit(f"r1pp_table: {e}") from None
     evals = [r for r in rows if "eval/all" in r]
     if not evals:
         raise SystemExit(f"{path}: no evaluation row yet")
@@ -158,7 +163,9 @@ def main() -> None:
         first, last, kept, tried = run_summary(run / "metrics.jsonl")
         rows = [("stage 1 (start)", first)] if i == 0 else []
         for name, ev in rows + [(run.name, last)]:
-            cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" for t in TYPES]
+            # a type the evaluation did not hold (a small --eval_size): a dash
+            cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" if f"eval/{t}" in ev else "—"
+                     for t in TYPES]
             mem = "—" if ev is first else (f"{kept:,} of {tried:,}" if tried else "(off)")
             print(f"| {name} | {ev['step']} | {ev['eval/all']['em']:.3f} | {ev['eval/all']['searches']:.2f} | "
                   + " | ".join(cells) + f" | {mem} |")

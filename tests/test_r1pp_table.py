@@ -102,3 +102,18 @@ def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch
         table.main()
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
+
+
+def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, monkeypatch, tmp_path, capsys):
+    """A half-written last line (train.py appending) was a JSONDecodeError traceback, and an
+    evaluation without a question type (a small --eval_size) a KeyError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ev = lambda em: {"eval/all": {"em": em, "searches": 1.0}, "eval/1hop": {"em": em, "searches": 0.5}}  # noqa: E731
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, **ev(0.25)}) + "\n" + json.dumps({"step": 1}) + "\n"
+                                       + json.dumps({"step": 2, **ev(0.5)}) + '\n{"step": 3, "rew')
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    table.main()
+    out = capsys.readouterr().out
+    assert "| stage 1 (start) | 0 | 0.250 | 1.00 | 0.250 / 0.50 | — | — | — |" in out
+    assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | — | — | (off) |" in out
