@@ -118,11 +118,12 @@ def tiny_model(tmp_path_factory):
     return str(folder)
 
 
-def save_bag_of_words_bert(texts, folder, hidden: int) -> None:
+def save_bag_of_words_bert(texts, folder, hidden: int, positions: int = 512) -> None:
     """A random 1-layer BERT and a word-level tokenizer over the words of `texts`, saved as an HF
     folder. Its position and token-type embeddings are zeroed: in a random BERT they are shared
     by every text and swamp a mean-pooled embedding, so what is left is a random bag-of-words
-    encoder, which ranks by shared words as a trained encoder roughly would."""
+    encoder, which ranks by shared words as a trained encoder roughly would. `positions`: as many
+    as a real encoder's (512), so the default --max_length fits."""
     import re
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -138,7 +139,7 @@ def save_bag_of_words_bert(texts, folder, hidden: int) -> None:
                                    cls_token="[CLS]", sep_token="[SEP]")
     torch.manual_seed(0)
     model = BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=2 * hidden, vocab_size=len(vocab), max_position_embeddings=64))
+                                 intermediate_size=2 * hidden, vocab_size=len(vocab), max_position_embeddings=positions))
     with torch.no_grad():
         model.embeddings.position_embeddings.weight.zero_()
         model.embeddings.token_type_embeddings.weight.zero_()

@@ -594,7 +594,8 @@ def test_an_index_alone_is_checked_with_the_corpus_it_reads(world, tmp_path):
     assert list(saved["corpus_file"]) == [str(corpus.resolve())] and saved["retriever"] == f"bm25:{corpus.resolve()}"
     st = corpus.stat()
     os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    with pytest.raises(SystemExit, match=rf"other settings \(the corpus {re.escape(str(corpus.resolve()))} changed"):
+    with pytest.warns(UserWarning, match="changed since"), pytest.raises(  # the index warns too
+            SystemExit, match=rf"other settings \(the corpus {re.escape(str(corpus.resolve()))} changed"):
         evaluate.main(args)
     os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
     evaluate.main(args)  # as it was: resumes
