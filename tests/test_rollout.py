@@ -177,6 +177,19 @@ def test_seeded_rollout_is_reproducible(byte_tokenizer):
     assert not torch.equal(a.input_ids, c.input_ids)
 
 
+def test_neighbouring_seeds_do_not_share_sampling_calls(byte_tokenizer):
+    """Call n of a sampler seeded s drew under torch seed s + n, so --seed 1's first rollout took
+    --seed 0's second one's noise (and every later one, one call behind)."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=3)
+    prompts = [tok.encode("a", add_special_tokens=False)] * 4
+    zero, one = HFSampler(model, tok, max_new_tokens=12, seed=0), HFSampler(model, tok, max_new_tokens=12, seed=1)
+    zero.generate(prompts)  # seed 0's first call
+    assert zero.generate(prompts) != one.generate(prompts)  # seed 0's second call, seed 1's first
+    again = HFSampler(model, tok, max_new_tokens=12, seed=1)
+    assert again.generate(prompts) == HFSampler(model, tok, max_new_tokens=12, seed=1).generate(prompts)
+
+
 def test_hf_sampler_ids_are_what_the_model_scores(byte_tokenizer):
     """Greedy ids, re-scored by a right-padded forward pass, are each the argmax: positions agree."""
     tok = byte_tokenizer
