@@ -52,7 +52,7 @@ from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg,
 from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, SCORING, RecordLog, average, evaluate_set, load_prompts, run_batch,
                                    summarize, table)
-from searchlite.model_spec import fill_prompt_settings, load_model, model_folder, resolve_model
+from searchlite.model_spec import fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
@@ -119,7 +119,8 @@ def make_retriever(args):
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
                         "(a passages JSONL)")
-    return build_retriever(args.retriever, corpus, encoder=args.encoder or None, index=args.index or None)
+    return build_retriever(args.retriever, corpus, encoder=args.encoder or None, pooling=args.pooling,
+                           index=args.index or None)
 
 
 # ---------------------------------------------------------------------------- settings and outputs
@@ -135,7 +136,8 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
             "prompts": {m: digest(t) for m, t in prompts.items()},
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
-            "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING}
+            "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING,
+            **({"pooling": args.pooling} if args.pooling != "mean" else {})}  # (older runs: mean, unrecorded)
 
 
 def corpus_used(args) -> str | None:
@@ -292,11 +294,18 @@ def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dic
 # ---------------------------------------------------------------------------- main
 
 
+# the flags a train.py run given as --model sets when they are not given (model_spec.fill_run_settings)
+RUN_DEFAULTS = {"data": "toy/test.jsonl", "retriever": "bm25", "corpus": "toy/corpus.jsonl", "index": "", "encoder": "",
+                "pooling": "mean", "retriever_url": "", "topk": 3, "max_new_tokens": 256, "max_obs_tokens": 500,
+                "max_len": 4096}
+
+
 def parse_args(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=HelpFormatter)
     a = ap.add_argument
-    a("--data", default="toy/test.jsonl", help="comma-separated QA JSONL files or dataset names")
+    a("--data", default=None, help="comma-separated QA JSONL files or dataset names (default: a train.py run's "
+      "test_data, else toy/test.jsonl)")
     a("--data_dir", default=os.environ.get("SEARCHLITE_DATA", "data/qa"),
       help="folder where dataset names are looked up")
     a("--methods", "--method", default="search", help=f"comma-separated: {', '.join(METHODS)}")
@@ -308,14 +317,19 @@ def parse_args(argv=None):
     a("--threads", type=at_least(0), default=0, help="CPU threads for torch (0 = torch's default)")
     a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process "
       "vLLM engine: much faster for large batches; install with ./setup.sh vllm)")
-    a("--retriever", default="bm25", help="bm25 | rank_bm25 | dense | http")
-    a("--corpus", default="toy/corpus.jsonl", help="passages JSONL for an in-process retriever")
-    a("--retriever_url", default="", help="a Search-R1-compatible retrieval server (implies --retriever http)")
-    a("--encoder", default="", help="dense retriever: encoder folder")
-    a("--index", default="", help="a saved index folder (retrieve.py build: BM25 or dense), read with the corpus it "
-                                   "was built from unless --corpus names another; or, with --retriever dense, a "
-                                   "FAISS file over --corpus")
-    a("--topk", type=at_least(1), default=3, help="passages per retrieval, for rag and search")
+    a("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's retriever, "
+      "with its --corpus, --index, --encoder, --pooling and --retriever_url, unless one of those is given; else bm25)")
+    a("--corpus", default=None, help="passages JSONL for an in-process retriever (default: a train.py run's, else "
+      "toy/corpus.jsonl)")
+    a("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies --retriever http)")
+    a("--encoder", default=None, help="dense retriever: encoder folder")
+    a("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: how the encoder's "
+      "vectors become one (mean: E5; cls: BGE; default: a train.py run's, else mean); an index folder keeps its own")
+    a("--index", default=None, help="a saved index folder (retrieve.py build: BM25 or dense), read with the corpus "
+                                     "it was built from unless --corpus names another; or, with --retriever dense, a "
+                                     "FAISS file over --corpus")
+    a("--topk", type=at_least(1), default=None, help="passages per retrieval, for rag and search (default: a "
+      "train.py run's, else 3)")
     a("--protocol", default=None, help="search_r1 | r1_searcher_pp (the search method; default: the one a train.py "
       "run or stage 1 given as --model was trained with, else search_r1)")
     a("--template", default=None, help="search prompt: a file, a set name (toy, fewshot), or '' for the paper's "
@@ -329,9 +343,10 @@ def parse_args(argv=None):
     a("--max_new_tokens", type=at_least(1), default=None, help="tokens per generation: each search turn, cot "
       "(default: a trained run's, as --protocol, else 256)")
     a("--answer_tokens", type=at_least(1), default=64, help="tokens generated by direct and rag")
-    a("--max_obs_tokens", type=at_least(1), default=500, help="retrieved tokens appended per search")
-    a("--max_len", type=at_least(1), default=4096,
-      help="cap on prompt + response tokens of a trajectory; it ends there, or at the model's context if shorter")
+    a("--max_obs_tokens", type=at_least(1), default=None, help="retrieved tokens appended per search (default: a "
+      "train.py run's, else 500)")
+    a("--max_len", type=at_least(1), default=None, help="cap on prompt + response tokens of a trajectory; it ends "
+      "there, or at the model's context if shorter (default: a train.py run's, else 4096)")
     a("--temperature", type=float, default=0.0, help="0 = greedy decoding (the default)")
     a("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
     a("--batch_size", type=at_least(1), default=16, help="questions per batch (and per resume checkpoint)")
@@ -365,11 +380,8 @@ def evaluate(args, held: ExitStack) -> dict:
             raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
         source = resolve_model(args.model)[1]  # fail fast, before anything slow
         run_config = fill_prompt_settings(args)  # a trained run's config.json, else None
-        if args.max_new_tokens is None:  # a trained run's turns are as long as in training's evaluations
-            trained = json.loads(run_config.read_text()).get("max_new_tokens") if run_config else None
-            args.max_new_tokens = trained or 256
-            if trained:
-                print(f"--max_new_tokens {trained}: as trained ({run_config})", flush=True)
+        # a trained run is evaluated as train.py evaluated it: its test set, retriever and lengths
+        fill_run_settings(args, run_config, RUN_DEFAULTS)
         qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)

@@ -216,3 +216,25 @@ def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> Path | None:
             if key in trained:
                 print(f"--{key} {trained[key]!r}: as trained ({where})", flush=True)
     return where
+
+
+RETRIEVER_SETTINGS = ("retriever", "corpus", "index", "encoder", "pooling", "retriever_url")  # taken as one
+RUN_KEYS = {"data": "test_data"}  # a command's flag -> the train.py config field it takes, where they differ
+
+
+def fill_run_settings(args, run_config: Path | None, defaults: dict) -> None:
+    """Set each flag of `defaults` left unset (None) to the train.py run's value in `run_config`
+    (`fill_prompt_settings`'s return; `RUN_KEYS` maps names), saying so where it differs from
+    the default, else to the default: a run is asked on its own test set, searched with its own
+    retriever, with its own lengths. The retriever's settings go together: a flag that names one
+    of them (--corpus, --retriever_url, ...) leaves the run's others out."""
+    saved = json.loads(run_config.read_text()) if run_config else {}
+    given = any(getattr(args, k, None) is not None for k in RETRIEVER_SETTINGS if k in defaults)
+    for arg, default in defaults.items():
+        if getattr(args, arg) is not None:
+            continue
+        key = RUN_KEYS.get(arg, arg)
+        take = key in saved and saved[key] is not None and not (given and arg in RETRIEVER_SETTINGS)
+        setattr(args, arg, saved[key] if take else default)
+        if take and saved[key] != default:
+            print(f"--{arg} {saved[key]!r}: as trained ({run_config})", flush=True)

@@ -15,7 +15,6 @@ false, Search-R1's ablation, passages are trained on and coloured so. The prompt
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 from pathlib import Path
@@ -82,13 +81,17 @@ def main(argv=None) -> None:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", default="toy/model", help="policy: a Hugging Face folder, a train.py run or checkpoint "
                     "folder, a .gguf file or smollm2 (toy/model = the embedded warm start)")
-    ap.add_argument("--data", default="toy/test.jsonl", help="QA JSONL to take questions from")
+    ap.add_argument("--data", default=None, help="QA JSONL to take questions from (default: a train.py run's "
+                    "test_data, else toy/test.jsonl)")
     ap.add_argument("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's "
-                    "own retriever, as --corpus, --index, --encoder and --retriever_url; else bm25)")
+                    "own retriever, with its --corpus, --index, --encoder, --pooling and --retriever_url, unless one "
+                    "of those is given; else bm25)")
     ap.add_argument("--corpus", default=None, help="passages JSONL (default: a train.py run's, else toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="a saved index folder (retrieve.py build), or with --retriever "
                     "dense a FAISS file over --corpus")
     ap.add_argument("--encoder", default=None, help="dense retriever: encoder folder or name")
+    ap.add_argument("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: mean (E5) "
+                    "| cls (BGE) (default: a train.py run's, else mean)")
     ap.add_argument("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies "
                     "--retriever http)")
     ap.add_argument("--protocol", default=None, help="search_r1 | r1_searcher_pp (default: the one a train.py run "
@@ -100,7 +103,12 @@ def main(argv=None) -> None:
                     "template when it has one (false: plain text, for few-shot templates; default: a train.py "
                     "run's own, else true)")
     ap.add_argument("--n", type=at_least(1), default=8, help="number of questions")
-    ap.add_argument("--topk", type=at_least(1), default=3, help="passages per search")
+    ap.add_argument("--topk", type=at_least(1), default=None, help="passages per search (default: a train.py "
+                    "run's, else 3)")
+    ap.add_argument("--max_obs_tokens", type=at_least(1), default=None, help="retrieved tokens shown per search "
+                    "(default: a train.py run's, else 500)")
+    ap.add_argument("--max_len", type=at_least(1), default=None, help="cap on prompt + response tokens (default: "
+                    "a train.py run's, else 4096)")
     ap.add_argument("--max_turns", type=at_least(0), default=None, help="search budget (default: a train.py run's "
                     "own, else 4)")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 = greedy (default: a "
@@ -116,7 +124,7 @@ def main(argv=None) -> None:
 
     from .config import DEFAULT_PRESETS, TOY_DIR, Config, ConfigError, read_presets, resolve_path
     from .data import DataError, read_qa
-    from .model_spec import ModelError, fill_prompt_settings, load_model
+    from .model_spec import ModelError, fill_prompt_settings, fill_run_settings, load_model
     from .protocol import get_protocol
     from .r1pp import reward_terms
     from .retrieval import config_retriever
@@ -133,13 +141,13 @@ def main(argv=None) -> None:
         toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
         saved = (json.loads(run_config.read_text()) if run_config else
                  read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
+        fill_run_settings(args, run_config, {k: getattr(Config, k) for k in (
+            "retriever", "corpus", "index", "encoder", "pooling", "retriever_url", "topk", "max_obs_tokens", "max_len")}
+            | {"data": "toy/test.jsonl"})  # asked on the run's test set, searched with its retriever
         qa = read_qa(resolve_path(args.data))[: args.n]
-        search = {k: getattr(args, k) if getattr(args, k) is not None else saved.get(k, getattr(Config, k))
-                  for k in ("retriever", "corpus", "index", "encoder", "retriever_url")}
         if args.retriever_url:
-            search["retriever"] = "http"
-        retriever = config_retriever(argparse.Namespace(**search, pooling=saved.get("pooling", "mean"),
-                                                        topk=args.topk))
+            args.retriever = "http"
+        retriever = config_retriever(args)
     except (DataError, ConfigError, ModelError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
@@ -155,7 +163,8 @@ def main(argv=None) -> None:
     sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature if not greedy else 1.0,
                         max_new_tokens=max_new_tokens)
     ro = rollout(sampler, retriever, tok, protocol, [q.question for q in qa], max_turns=args.max_turns,
-                 topk=args.topk, chat_template=args.chat_template, greedy=greedy)
+                 topk=args.topk, max_obs_tokens=args.max_obs_tokens, max_len=args.max_len,
+                 chat_template=args.chat_template, greedy=greedy)
     if saved.get("reward") == "r1pp":  # scored as the run was: R_format + R_answer (no R_group: one rollout each)
         terms = reward_terms(ro, qa, protocol, group=1, use_group=False)
         rewards, scored = (terms["format"] + terms["answer"]).tolist(), "reward R_format + R_answer (cover-EM)"

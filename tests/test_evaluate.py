@@ -690,6 +690,36 @@ def test_a_trained_run_is_asked_with_its_turn_length(world, tmp_path, capsys):
     assert f"--max_new_tokens 5: as trained ({run / 'config.json'})" in capsys.readouterr().out
 
 
+def test_a_trained_run_is_evaluated_on_its_test_set_with_its_retriever(world, tmp_path, capsys):
+    """The command train.py prints at its end, `evaluate.py --model RUN`, scored a run trained on
+    other data on the toy test set with BM25 over the toy corpus: only the prompt settings and turn
+    length came from the run. Its test set, retriever, topk and lengths now do, flags winning (a
+    retriever flag leaves the run's other retriever settings out)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(world / "model", run / "checkpoint" / "policy")
+    corpus = tmp_path / "c.jsonl"
+    shutil.copy(world / "corpus.jsonl", corpus)
+    (run / "config.json").write_text(json.dumps({
+        "protocol": "search_r1", "template": "toy", "max_new_tokens": 3, "test_data": str(world / "beta.jsonl"),
+        "retriever": "rank_bm25", "corpus": str(corpus), "topk": 2, "max_obs_tokens": 50, "max_len": 700}))
+    out = tmp_path / "out"
+    evaluate.main(["--model", str(run), "--max_turns", "1", "--progress", "false", "--out", str(out)])
+    saved = json.loads((out / "run.json").read_text())
+    assert list(saved["data"]) == ["beta"] and saved["retriever"] == f"rank_bm25:{corpus.resolve()}"
+    assert (saved["topk"], saved["max_obs_tokens"], saved["max_len"]) == (2, 50, 700)
+    printed = capsys.readouterr().out
+    for flag in (f"--data '{world / 'beta.jsonl'}'", "--retriever 'rank_bm25'", "--topk 2", "--max_len 700"):
+        assert f"{flag}: as trained ({run / 'config.json'})" in printed, flag
+    out = tmp_path / "out2"
+    evaluate.main(["--model", str(run), "--max_turns", "1", "--progress", "false", "--out", str(out),
+                   "--data", str(world / "alpha.jsonl"), "--corpus", str(world / "corpus.jsonl"), "--topk", "1"])
+    saved = json.loads((out / "run.json").read_text())
+    assert list(saved["data"]) == ["alpha"] and saved["retriever"] == f"bm25:{(world / 'corpus.jsonl').resolve()}"
+    assert (saved["topk"], saved["max_obs_tokens"]) == (1, 50)
+
+
 def test_error_unknown_dataset_names_paths(world, tmp_path):
     with pytest.raises(SystemExit) as e:
         evaluate.main(cli(world, tmp_path / "o", "--data", "nq", "--data_dir", str(tmp_path / "qa")))

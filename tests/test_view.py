@@ -143,34 +143,47 @@ def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypat
 
 
 def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_path, monkeypatch):
-    """view searched BM25 over --corpus whatever the run had searched; it now takes a run's retriever
-    settings (corpus, index, encoder, server) as it takes its prompt, and its flags win."""
+    """view searched BM25 over the toy corpus, and asked toy questions, whatever the run had trained
+    on; it now takes a run's test set, retriever settings (corpus, index, encoder, server) and
+    lengths as it takes its prompt, and its flags win (a retriever flag: the run's others go too)."""
     import json
     import shutil
 
+    import searchlite.data
     import searchlite.retrieval
+    import searchlite.rollout
     from searchlite.config import TOY_DIR
     from searchlite.view import main
 
-    seen = []
-    real = searchlite.retrieval.build_retriever
+    seen, asked, lengths = [], [], []
+    real, real_qa, real_rollout = searchlite.retrieval.build_retriever, searchlite.data.read_qa, searchlite.rollout.rollout
 
     def record(kind, corpus=None, **kw):
         seen.append((kind, corpus, kw.get("index"), kw.get("url")))
         return real(kind, corpus, **kw)
 
+    def rollout(*a, **kw):
+        lengths.append((kw["topk"], kw["max_obs_tokens"], kw["max_len"]))
+        return real_rollout(*a, **kw)
+
     monkeypatch.setattr(searchlite.retrieval, "build_retriever", record)
+    monkeypatch.setattr(searchlite.data, "read_qa", lambda path: asked.append(path) or real_qa(path))
+    monkeypatch.setattr(searchlite.rollout, "rollout", rollout)
     run, out = tmp_path / "run", str(tmp_path / "view.html")
     shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
-    corpus = tmp_path / "c.jsonl"
+    corpus, test = tmp_path / "c.jsonl", tmp_path / "t.jsonl"
     shutil.copy(TOY_DIR / "corpus.jsonl", corpus)
+    shutil.copy(TOY_DIR / "test.jsonl", test)
     (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy", "retriever": "rank_bm25",
-                                                 "corpus": str(corpus)}))
+                                                 "corpus": str(corpus), "test_data": str(test), "topk": 2,
+                                                 "max_obs_tokens": 100, "max_len": 900}))
     main(["--model", str(run), "--n", "1", "--max_turns", "0", "--out", out])
-    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--retriever", "bm25", "--out", out])
-    main(["--n", "1", "--max_turns", "0", "--out", out])  # the warm start: the toy corpus
-    assert seen == [("rank_bm25", str(corpus), None, None), ("bm25", str(corpus), None, None),
-                    ("bm25", str(TOY_DIR / "corpus.jsonl"), None, None)]
+    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--retriever", "bm25", "--topk", "1", "--out", out])
+    main(["--n", "1", "--max_turns", "0", "--out", out])  # the warm start: the toy world
+    toy = str(TOY_DIR / "corpus.jsonl")
+    assert seen == [("rank_bm25", str(corpus), None, None), ("bm25", toy, None, None), ("bm25", toy, None, None)]
+    assert asked == [str(test), str(test), str(TOY_DIR / "test.jsonl")]
+    assert lengths == [(2, 100, 900), (1, 100, 900), (3, 500, 4096)]
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit, match=re.escape(f"error: --retriever_url {dead}: the retrieval server does not")):
         main(["--model", str(run), "--n", "1", "--retriever_url", dead, "--out", out])
