@@ -413,21 +413,21 @@ def _stage1(cfg) -> Path:
     device = pick_device(cfg.device)
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     tokenizer = run_tokenizer(cfg)  # a hub name it cannot load is a ConfigError, in one line
-    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
     protocol = get_protocol(cfg.protocol, cfg.template)
+    if cfg.cold_start_sampler == "teacher":  # questions without the toy world's hops: a ConfigError, before the model
+        from .teacher import Teacher
+
+        sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
+    model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
+    if cfg.cold_start_sampler != "teacher":  # the model itself
+        sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     # only now that everything has loaded: a stage 1 that stops before this changes no file
     if not cfg.resume and (moved := set_aside(out, STAGE1_OUTPUTS)):  # a forgotten --resume loses nothing
         print(f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), "
               f"and the earlier one is kept: {', '.join(moved)}", flush=True)
     (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
     save_config(cfg, out / "config.json")
-    if cfg.cold_start_sampler == "teacher":
-        from .teacher import Teacher
-
-        sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
-    else:  # the model itself
-        sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     t_sample = time.time()
     log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},
                             cfg.resume)

@@ -485,6 +485,10 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
              "2", "--group", "2", "--batch_size", "2", "--sft_batch_size", "4"]
     with pytest.raises(SystemExit, match="bad.jsonl:1"):
         r1pp.main([*small, "--train_data", str(bad)])
+    plain = tmp_path / "plain.jsonl"  # real data: no hops for the teacher to script (it had moved the files first)
+    plain.write_text('{"id": "q1", "question": "who?", "golden_answers": ["x"]}\n')
+    with pytest.raises(SystemExit, match="question 'q1' has no 'hops'"):
+        r1pp.main([*small, "--train_data", str(plain)])
     assert (out / "stage1.json").exists() and (out / "config.json").read_bytes() == config
     assert not list(out.glob("*previous*"))
     r1pp.main(small)
