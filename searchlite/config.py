@@ -55,7 +55,7 @@ class Config:
     steps: int = 1005  # RL steps (one step = one batch of questions rolled out and trained on)
     resume: bool = False  # continue from the latest checkpoint in out_dir (R1-Searcher++ stage 1: its sampling log, SFT state)
     # --- model
-    model: str = "toy/model"  # policy: Hugging Face folder or hub name; toy/model is the embedded warm start
+    model: str = "toy/model"  # policy: Hugging Face folder, hub name, .gguf file or smollm2 (converted once); toy/model = the warm start
     tokenizer: str = ""  # tokenizer folder; empty = same as model
     dtype: str = "float32"  # float32 | bfloat16 (float16 only to evaluate: training it needs loss scaling)
     master_weights: bool = True  # with --dtype bfloat16, trained weights stay float32 and compute in bf16 (autocast; FSDP2 mixed precision); false keeps them in bf16: half the memory, but AdamW steps below bf16's resolution (lr 1e-6 on most weights) round away
@@ -392,6 +392,15 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
             span = f"{'[' if closed else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
             raise ConfigError(f"{_named(cfg, name)} {value}: must be in {span}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
+    if used("model") and (cfg.model == "smollm2" or cfg.model.endswith(".gguf")):  # as evaluate.py takes them:
+        from .model_spec import ModelError, model_folder  # converted to a safetensors folder once, cached
+
+        try:
+            folder = model_folder(cfg.model)
+        except ModelError as e:
+            raise ConfigError(str(e)) from None
+        print(f"--model {cfg.model}: the safetensors folder converted from its GGUF file, {folder}", flush=True)
+        cfg.model = folder
     for name in ("model", "tokenizer"):
         spec = getattr(cfg, name)
         if spec and not Path(resolve_path(spec)).exists() and not is_hub_name(spec):

@@ -393,3 +393,25 @@ def test_script_parsers_name_the_closest_flag_of_any_subcommand(capsys):
         ap.parse_args(["build", "--format", "x.jsonl", "--config=y"])
     assert ("unrecognized arguments: --format (did you mean one of '--corpus_format', '--query_format'?) x.jsonl "
             "--config=y (no flag is close to it; see --help)") in capsys.readouterr().err
+
+
+def test_a_gguf_model_is_taken_as_its_converted_folder(tmp_path, monkeypatch, capsys):
+    """evaluate.py and view take --model smollm2 or a .gguf file; train.py and stage 1 refused them
+    ("no such folder", "is a file"). They now take the folder it converts to (here, a cached one)."""
+    import hashlib
+
+    from searchlite.config import check_config
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    st = gguf.stat()
+    digest = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    cached = tmp_path / "cache" / "gguf" / f"tiny-{digest}"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    cfg = parse_args(["--model", str(gguf)])
+    check_config(cfg)
+    assert cfg.model == str(cached) and f"--model {gguf}: the safetensors folder" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_config(parse_args(["--model", str(tmp_path / "gone.gguf")]))
