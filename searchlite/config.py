@@ -301,6 +301,7 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         else:
             pairs.append((key, value))
         i += 1
+    defaulted = preset is None
     if preset is None:
         preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
     values = load_preset(preset, presets) if preset != "none" else {}
@@ -317,7 +318,28 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
     if not cfg.out_dir:
         cfg.out_dir = f"runs/{preset}-{cfg.algo}"
+    if defaulted and preset.startswith("toy") and not _toy_shaped(cfg.model):
+        kept = [f"{k} {getattr(cfg, k)!r}" for k in ("lr", "temperature", "template", "max_new_tokens") if k in from_preset]
+        print(f"note: no --preset: [{preset}], made for the toy world's tiny model, sets {', '.join(kept) or 'the rest'}"
+              f" for --model {cfg.model}; a real model wants a preset of its own (configs.toml) or those flags",
+              file=sys.stderr, flush=True)
     return cfg
+
+
+def _toy_shaped(model: str) -> bool:
+    """Whether --model is the toy warm start or a model trained from it (its width and vocabulary)."""
+    def shape(folder: Path):
+        for f in (folder / "config.json", folder / "checkpoint" / "policy" / "config.json",
+                  folder / "model" / "config.json"):
+            try:
+                saved = json.loads(f.read_text())
+                if "vocab_size" in saved:
+                    return saved.get("vocab_size"), saved.get("hidden_size")
+            except (OSError, ValueError):
+                continue
+        return None
+
+    return shape(Path(resolve_path(model))) == shape(TOY_DIR / "model")
 
 
 def _named(cfg, name: str) -> str:

@@ -415,3 +415,25 @@ def test_a_gguf_model_is_taken_as_its_converted_folder(tmp_path, monkeypatch, ca
     assert cfg.model == str(cached) and f"--model {gguf}: the safetensors folder" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="does not exist"):
         check_config(parse_args(["--model", str(tmp_path / "gone.gguf")]))
+
+
+def test_the_toy_preset_applied_to_another_model_is_said(tmp_path, capsys):
+    """With no --preset, [toy] applies: lr 3e-4 (300 times the default) and the toy prompt for any
+    --model, which nothing said. A model of the toy's shape (the warm start, a run trained from it)
+    takes it quietly, as does a run that names a preset."""
+    import shutil
+
+    from searchlite.config import TOY_DIR
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"vocab_size": 49152, "hidden_size": 576}))
+    parse_args(["--model", str(other), "--lr", "1e-6"])
+    err = capsys.readouterr().err
+    assert err.startswith("note: no --preset: [toy], made for the toy world's tiny model, sets temperature 0.7, "
+                          "template 'toy', max_new_tokens 64 for --model") and "lr" not in err.split("sets")[1][:20]
+    trained = tmp_path / "trained"
+    shutil.copytree(TOY_DIR / "model", trained / "checkpoint" / "policy")
+    for argv in ([], ["--model", str(trained)], ["--preset", "toy", "--model", str(other)]):
+        parse_args(argv)
+        assert capsys.readouterr().err == "", argv
