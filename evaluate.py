@@ -50,8 +50,8 @@ from pathlib import Path
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, resolve_path
 from searchlite.data import DataError, lock_folder, read_qa, write_durably
-from searchlite.evaluation import (METHODS, SCORING, RecordLog, average, evaluate_set, load_prompts, run_batch,
-                                   summarize, table)
+from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
+                                   run_batch, summarize, table)
 from searchlite.model_spec import fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -448,7 +448,7 @@ def evaluate(args, held: ExitStack) -> dict:
             for method in methods:
                 run = partial(run_batch, method, sampler=sampler, retriever=retriever, tokenizer=tokenizer,
                               protocol=protocol, prompts=prompts, topk=args.topk, answer_tokens=args.answer_tokens,
-                              chat_template=args.chat_template, greedy=greedy, extra_stop=("\nQuestion:",),
+                              chat_template=args.chat_template, greedy=greedy, extra_stop=QUESTION_STOP,
                               max_turns=args.max_turns, max_obs_tokens=args.max_obs_tokens, max_len=args.max_len)
                 recs = evaluate_set(name, method, questions, log, run, batch_size=args.batch_size, judge=judge,
                                     progress=args.progress)

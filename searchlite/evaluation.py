@@ -148,6 +148,11 @@ def extract_answer(method: str, text: str) -> str | None:
 # ---------------------------------------------------------------------------- methods
 
 
+# Evaluation stops a turn where the model starts a question of its own, as the prompts' examples
+# invite ("Question: ..."): no step of this trajectory. evaluate.py, train.py's evaluation and view alike.
+QUESTION_STOP = ("\nQuestion:",)
+
+
 def run_batch(method: str, qa: list, sampler, retriever, tokenizer, protocol, *, prompts: dict | None = None,
               topk: int = 3, answer_tokens: int = 64, chat_template: bool = True, greedy: bool = True,
               extra_stop: tuple[str, ...] = (), **rollout_kw) -> list[dict]:
@@ -174,7 +179,7 @@ def run_batch(method: str, qa: list, sampler, retriever, tokenizer, protocol, *,
     ids = [encode_text(tokenizer, t, chat_template) for t in texts]
     # Stop when the model starts a "Question:" of its own, as few-shot prompts invite: its
     # answer to that one would be read instead.
-    stop = ("</answer>", "\nQuestion:")
+    stop = ("</answer>", *QUESTION_STOP)
     outs = sampler.generate(ids, stop=stop, max_new_tokens=None if method == "cot" else answer_tokens, greedy=greedy)
     records = []
     for q, out, d in zip(qa, outs, docs):
@@ -209,11 +214,12 @@ def make_record(q, method: str, prediction: str | None, trajectory: str, searche
 
 def score_qa(sampler, retriever, tokenizer, protocol, qa: list, *, batch_size: int = 64, greedy: bool = True,
              progress: bool = True, **rollout_kw) -> tuple[dict, list[dict]]:
-    """The search agent over `qa` in batches (train.py's held-out evaluation): (summary, records)."""
+    """The search agent over `qa` in batches (train.py's held-out evaluation, asked as evaluate.py
+    asks, `QUESTION_STOP` included): (summary, records)."""
     records = []
     for start in tqdm(range(0, len(qa), batch_size), desc="evaluate", disable=not progress, leave=False):
         records += run_batch("search", qa[start:start + batch_size], sampler, retriever, tokenizer, protocol,
-                             greedy=greedy, **rollout_kw)
+                             greedy=greedy, extra_stop=QUESTION_STOP, **rollout_kw)
     return summarize(records), records
 
 

@@ -15,6 +15,7 @@ false, Search-R1's ablation, passages are trained on and coloured so. The prompt
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from pathlib import Path
@@ -124,6 +125,7 @@ def main(argv=None) -> None:
 
     from .config import DEFAULT_PRESETS, TOY_DIR, Config, ConfigError, read_presets, resolve_path
     from .data import DataError, read_qa
+    from .evaluation import QUESTION_STOP
     from .model_spec import ModelError, fill_prompt_settings, fill_run_settings, load_model
     from .protocol import get_protocol
     from .r1pp import reward_terms
@@ -162,6 +164,7 @@ def main(argv=None) -> None:
     greedy = args.greedy or temperature == 0  # (transformers refuses temperature 0)
     sampler = HFSampler(model, tok, seed=args.seed, temperature=temperature if not greedy else 1.0,
                         max_new_tokens=max_new_tokens)
+    protocol = dataclasses.replace(protocol, stop=protocol.stop + QUESTION_STOP)  # as evaluate.py asks
     ro = rollout(sampler, retriever, tok, protocol, [q.question for q in qa], max_turns=args.max_turns,
                  topk=args.topk, max_obs_tokens=args.max_obs_tokens, max_len=args.max_len,
                  chat_template=args.chat_template, greedy=greedy)

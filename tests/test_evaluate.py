@@ -1061,3 +1061,26 @@ def test_smollm2_loads_from_cache_under_a_second():
     model, tokenizer = evaluate.load_model("smollm2")
     assert time.perf_counter() - t0 < 1.0
     assert kind == "gguf" and tokenizer.chat_template and model.config.num_hidden_layers == 30
+
+
+def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(byte_tokenizer):
+    """evaluate.py ended a turn at "\\nQuestion:" (a model prompted with examples goes on to a
+    question of its own, and its answer to that one was read); train.py's held-out evaluation did
+    not, so the two scored one model differently. A sampler here honours stop strings as real ones do."""
+    from searchlite.evaluation import score_qa
+    from searchlite.protocol import get_protocol
+
+    class StopSampler:
+        def __init__(self):
+            self.turns = 0
+
+        def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None):
+            reply = ["I see.\nQuestion: who else? <answer> wrong </answer>", "<answer> right </answer>"][self.turns]
+            self.turns += 1
+            ends = [reply.index(s) + len(s) for s in stop if s in reply]
+            return [byte_tokenizer.encode(reply[:min(ends)] if ends else reply, add_special_tokens=False)] * len(prompts)
+
+    qa = [QA("1", "what?", ["right"], {})]
+    _, records = score_qa(StopSampler(), FakeRetriever(), byte_tokenizer, get_protocol("search_r1"), qa,
+                          max_turns=2, progress=False)
+    assert records[0]["prediction"] == "right" and records[0]["em"] == 1.0
