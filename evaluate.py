@@ -119,8 +119,9 @@ def make_retriever(args):
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
                         "(a passages JSONL)")
+    quiet = {"progress": False} if not args.progress and args.retriever != "dense" and not args.index else {}
     return build_retriever(args.retriever, corpus, encoder=args.encoder or None, pooling=args.pooling,
-                           index=args.index or None)
+                           index=args.index or None, **quiet)  # --progress false: no indexing bar either
 
 
 # ---------------------------------------------------------------------------- settings and outputs
