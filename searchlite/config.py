@@ -421,6 +421,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
             folder = model_folder(cfg.model)
         except ModelError as e:
             raise ConfigError(str(e)) from None
+        except (OSError, ValueError) as e:  # a file transformers cannot read as GGUF
+            raise ConfigError(f"--model {cfg.model}: could not convert it from GGUF: {str(e).splitlines()[0]}") from None
         print(f"--model {cfg.model}: the safetensors folder converted from its GGUF file, {folder}", flush=True)
         cfg.model = folder
     for name in ("model", "tokenizer"):

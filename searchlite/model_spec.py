@@ -218,23 +218,48 @@ def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> Path | None:
     return where
 
 
-RETRIEVER_SETTINGS = ("retriever", "corpus", "index", "encoder", "pooling", "retriever_url")  # taken as one
+RETRIEVER_SETTINGS = ("retriever", "corpus", "index", "encoder", "pooling", "retriever_url")
+KIND_FLAGS = ("retriever", "retriever_url")  # flags that pick another retriever: the run's others are left out
 RUN_KEYS = {"data": "test_data"}  # a command's flag -> the train.py config field it takes, where they differ
+PATH_SETTINGS = ("data", "corpus", "index", "encoder")  # written as typed, from the folder train.py ran in
 
 
 def fill_run_settings(args, run_config: Path | None, defaults: dict) -> None:
     """Set each flag of `defaults` left unset (None) to the train.py run's value in `run_config`
     (`fill_prompt_settings`'s return; `RUN_KEYS` maps names), saying so where it differs from
     the default, else to the default: a run is asked on its own test set, searched with its own
-    retriever, with its own lengths. The retriever's settings go together: a flag that names one
-    of them (--corpus, --retriever_url, ...) leaves the run's others out."""
+    retriever, with its own lengths. --corpus, --index, --encoder or --pooling replace that one
+    setting of the run's retriever; --retriever or --retriever_url pick another retriever, and the
+    run's others are left out. A run's server address counts only for a run that searched it
+    (retriever http), as in training. A relative path is read from the folder the run was
+    started in (found from its out_dir) when the file is there."""
     saved = json.loads(run_config.read_text()) if run_config else {}
-    given = any(getattr(args, k, None) is not None for k in RETRIEVER_SETTINGS if k in defaults)
+    other = [f"--{k}" for k in KIND_FLAGS if k in defaults and getattr(args, k, None) is not None]
+    base = _started_in(run_config, saved.get("out_dir")) if run_config else None
+    left = []
     for arg, default in defaults.items():
         if getattr(args, arg) is not None:
             continue
         key = RUN_KEYS.get(arg, arg)
-        take = key in saved and saved[key] is not None and not (given and arg in RETRIEVER_SETTINGS)
-        setattr(args, arg, saved[key] if take else default)
-        if take and saved[key] != default:
-            print(f"--{arg} {saved[key]!r}: as trained ({run_config})", flush=True)
+        value = saved.get(key)
+        take = value is not None and not (arg == "retriever_url" and saved.get("retriever") != "http")
+        if take and other and arg in RETRIEVER_SETTINGS:
+            take = False
+            left += [f"{arg} {value!r}"] if value not in ("", default) else []
+        if take and arg in PATH_SETTINGS and base is not None and value and not Path(value).is_absolute() \
+                and not value.startswith("toy/") and (base / value).exists():
+            value = str(base / value)
+        setattr(args, arg, value if take else default)
+        if take and value != default:
+            print(f"--{arg} {value!r}: as trained ({run_config})", flush=True)
+    if left:
+        print(f"note: {' and '.join(other)} given: the run's retriever settings are left out ({', '.join(left)})",
+              flush=True)
+
+
+def _started_in(run_config: Path, out_dir) -> Path | None:
+    """The folder train.py ran in: the run's folder less its out_dir as typed (None if not known)."""
+    run, out = run_config.resolve().parent, Path(out_dir or "")
+    if out.is_absolute() or not out.parts or run.parts[-len(out.parts):] != out.parts:
+        return None
+    return run.parents[len(out.parts) - 1]

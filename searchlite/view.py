@@ -84,13 +84,14 @@ def main(argv=None) -> None:
                     "folder, a .gguf file or smollm2 (toy/model = the embedded warm start)")
     ap.add_argument("--data", default=None, help="QA JSONL to take questions from (default: a train.py run's "
                     "test_data, else toy/test.jsonl)")
-    ap.add_argument("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's "
-                    "own retriever, with its --corpus, --index, --encoder, --pooling and --retriever_url, unless one "
-                    "of those is given; else bm25)")
+    ap.add_argument("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's, "
+                    "with its --corpus, --index, --encoder, --pooling and --retriever_url, each of which a flag "
+                    "replaces; given, the run's are left out; else bm25)")
     ap.add_argument("--corpus", default=None, help="passages JSONL (default: a train.py run's, else toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="a saved index folder (retrieve.py build), or with --retriever "
-                    "dense a FAISS file over --corpus")
-    ap.add_argument("--encoder", default=None, help="dense retriever: encoder folder or name")
+                    "dense a FAISS file over --corpus (default: a train.py run's)")
+    ap.add_argument("--encoder", default=None, help="dense retriever: encoder folder or name (default: a "
+                    "train.py run's)")
     ap.add_argument("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: mean (E5) "
                     "| cls (BGE) (default: a train.py run's, else mean)")
     ap.add_argument("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies "

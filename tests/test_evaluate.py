@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from conftest import JSONHandler, make_byte_tokenizer, make_tiny_llama
@@ -690,34 +691,48 @@ def test_a_trained_run_is_asked_with_its_turn_length(world, tmp_path, capsys):
     assert f"--max_new_tokens 5: as trained ({run / 'config.json'})" in capsys.readouterr().out
 
 
-def test_a_trained_run_is_evaluated_on_its_test_set_with_its_retriever(world, tmp_path, capsys):
+def test_a_trained_run_is_evaluated_on_its_test_set_with_its_retriever(world, tmp_path, capsys, monkeypatch):
     """The command train.py prints at its end, `evaluate.py --model RUN`, scored a run trained on
     other data on the toy test set with BM25 over the toy corpus: only the prompt settings and turn
-    length came from the run. Its test set, retriever, topk and lengths now do, flags winning (a
-    retriever flag leaves the run's other retriever settings out)."""
+    length came from the run. Its test set, retriever, topk and lengths now do, flags winning:
+    --corpus replaces the run's corpus only, --retriever picks another retriever (the run's other
+    settings left out, with a note). A server address the run never searched is not used, and a
+    relative path is read from the folder the run was started in."""
     import shutil
 
-    run = tmp_path / "run"
+    started = tmp_path / "project"  # train.py ran here: --out_dir runs/x --test_data data/t.jsonl --corpus c.jsonl
+    run = started / "runs" / "x"
     shutil.copytree(world / "model", run / "checkpoint" / "policy")
-    corpus = tmp_path / "c.jsonl"
-    shutil.copy(world / "corpus.jsonl", corpus)
+    (started / "data").mkdir()
+    shutil.copy(world / "beta.jsonl", started / "data" / "t.jsonl")
+    shutil.copy(world / "corpus.jsonl", started / "c.jsonl")
+    corpus = started / "c.jsonl"
     (run / "config.json").write_text(json.dumps({
-        "protocol": "search_r1", "template": "toy", "max_new_tokens": 3, "test_data": str(world / "beta.jsonl"),
-        "retriever": "rank_bm25", "corpus": str(corpus), "topk": 2, "max_obs_tokens": 50, "max_len": 700}))
+        "protocol": "search_r1", "template": "toy", "max_new_tokens": 3, "test_data": "data/t.jsonl",
+        "out_dir": "runs/x", "retriever": "rank_bm25", "corpus": "c.jsonl", "retriever_url": "http://127.0.0.1:9",
+        "topk": 2, "max_obs_tokens": 50, "max_len": 700}))
+    monkeypatch.chdir(tmp_path)  # elsewhere: data/t.jsonl and c.jsonl are not here
     out = tmp_path / "out"
     evaluate.main(["--model", str(run), "--max_turns", "1", "--progress", "false", "--out", str(out)])
     saved = json.loads((out / "run.json").read_text())
-    assert list(saved["data"]) == ["beta"] and saved["retriever"] == f"rank_bm25:{corpus.resolve()}"
+    assert list(saved["data"]) == ["t"] and saved["retriever"] == f"rank_bm25:{corpus}"  # not the server
     assert (saved["topk"], saved["max_obs_tokens"], saved["max_len"]) == (2, 50, 700)
     printed = capsys.readouterr().out
-    for flag in (f"--data '{world / 'beta.jsonl'}'", "--retriever 'rank_bm25'", "--topk 2", "--max_len 700"):
+    for flag in (f"--data '{started / 'data' / 't.jsonl'}'", "--retriever 'rank_bm25'", "--topk 2", "--max_len 700"):
         assert f"{flag}: as trained ({run / 'config.json'})" in printed, flag
     out = tmp_path / "out2"
     evaluate.main(["--model", str(run), "--max_turns", "1", "--progress", "false", "--out", str(out),
                    "--data", str(world / "alpha.jsonl"), "--corpus", str(world / "corpus.jsonl"), "--topk", "1"])
     saved = json.loads((out / "run.json").read_text())
-    assert list(saved["data"]) == ["alpha"] and saved["retriever"] == f"bm25:{(world / 'corpus.jsonl').resolve()}"
+    assert list(saved["data"]) == ["alpha"] and saved["retriever"] == f"rank_bm25:{(world / 'corpus.jsonl').resolve()}"
     assert (saved["topk"], saved["max_obs_tokens"]) == (1, 50)
+    out = tmp_path / "out3"
+    evaluate.main(["--model", str(run), "--max_turns", "1", "--progress", "false", "--out", str(out),
+                   "--retriever", "bm25"])
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["retriever"] == f"bm25:{Path(evaluate.resolve_path('toy/corpus.jsonl')).resolve()}"
+    assert "note: --retriever given: the run's retriever settings are left out (corpus 'c.jsonl')" in \
+        capsys.readouterr().out
 
 
 def test_error_unknown_dataset_names_paths(world, tmp_path):
@@ -1084,3 +1099,18 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
     _, records = score_qa(StopSampler(), FakeRetriever(), byte_tokenizer, get_protocol("search_r1"), qa,
                           max_turns=2, progress=False)
     assert records[0]["prediction"] == "right" and records[0]["em"] == 1.0
+
+
+def test_a_folder_made_with_other_pooling_is_not_resumed(world, tmp_path):
+    """run.json recorded --pooling only when it was not mean, and the check compares the new run's
+    keys, so records made with cls pooling were resumed under mean. A folder from before --pooling
+    (every encoder mean-pooled) resumes under mean."""
+    args = cli(world, tmp_path / "out", "--methods", "direct", "--data", str(world / "beta.jsonl"))
+    evaluate.main([*args, "--pooling", "cls", "--limit", "1"])
+    with pytest.raises(SystemExit, match=r"other settings \(pooling: 'cls' -> 'mean'\)"):
+        evaluate.main([*args, "--limit", "2"])
+    run = tmp_path / "out" / "run.json"
+    saved = json.loads(run.read_text())
+    run.write_text(json.dumps({k: v for k, v in saved.items() if k != "pooling"}))  # before --pooling
+    evaluate.main([*args, "--limit", "2"])
+    assert json.loads(run.read_text())["pooling"] == "mean"

@@ -168,3 +168,36 @@ def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeyp
     assert half != folder and merged_weights(half)["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert model_spec.merged_folder(str(adapter)) == folder and model_spec.merged_folder(str(adapter), "bfloat16") == half
     assert capsys.readouterr().err.count("merging") == 2  # the base's mtime moved back, then the bfloat16 copy
+
+
+def test_a_runs_retriever_is_taken_setting_by_setting(tmp_path, capsys):
+    """--encoder or --pooling on a dense run replaced its whole retriever with BM25 over the toy
+    corpus; a server address a BM25 run kept in its config sent the commands to that server."""
+    import argparse
+    import json
+
+    from searchlite.model_spec import fill_run_settings
+
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"out_dir": "runs/x", "retriever": "dense", "corpus": "/c.jsonl",
+                                                 "index": "/idx", "encoder": "/enc", "pooling": "cls",
+                                                 "retriever_url": "http://s:1", "topk": 5}))
+    defaults = {"retriever": "bm25", "corpus": "toy/corpus.jsonl", "index": "", "encoder": "", "pooling": "mean",
+                "retriever_url": "", "topk": 3}
+    keys = list(defaults)
+
+    def fill(**given):
+        args = argparse.Namespace(**{k: given.get(k) for k in keys})
+        fill_run_settings(args, run / "config.json", defaults)
+        return [getattr(args, k) for k in keys]
+
+    assert fill(encoder="/mine") == ["dense", "/c.jsonl", "/idx", "/mine", "cls", "", 5]  # the server: not dense's
+    assert fill(pooling="mean") == ["dense", "/c.jsonl", "/idx", "/enc", "mean", "", 5]
+    capsys.readouterr()
+    assert fill(retriever="bm25") == ["bm25", "toy/corpus.jsonl", "", "", "mean", "", 5]
+    assert "the run's retriever settings are left out (corpus '/c.jsonl', index '/idx', encoder '/enc', pooling " \
+           "'cls')" in capsys.readouterr().out
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "retriever": "http"}))
+    assert fill()[0] == "http" and fill()[5] == "http://s:1"

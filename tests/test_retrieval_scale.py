@@ -940,7 +940,7 @@ def test_a_dense_folder_built_with_a_relative_encoder_loads_from_anywhere(tmp_pa
 
 
 def test_max_length_past_the_encoders_positions_is_cut_to_them(encoder):
-    """--max_length 1024 over a 64-position encoder was saved, and the first long text crashed in torch
+    """--max_length 1024 over a 512-position encoder was saved, and the first long text crashed in torch
     (in a server, every request batched with it got a 500)."""
     with pytest.warns(UserWarning, match="max_length 1024 is more than encoder .* 512 positions"):
         enc = TextEncoder(encoder, max_length=1024)
