@@ -218,6 +218,10 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     return diff
 
 
+TURN_FLAGS = ("topk", "max_turns", "max_new_tokens", "answer_tokens", "max_obs_tokens", "max_len", "temperature",
+              "seed", "pooling")  # settings in run.json that one flag of the same name sets
+
+
 def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = False) -> None:
     """Write run.json; if the folder holds records made with other settings, refuse (or clear it).
     `marks_nothing`: Protocol.ask adds "?" to none of the questions asked, so records from before
@@ -243,10 +247,14 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
         # (more sets may join a folder; --limit only changes how many questions are asked)
         old = before.get("data", {})
         diff += [f"--data {n}: {old[n]} -> {f}" for n, f in now.get("data", {}).items() if old.get(n, f) != f]
+        changed = [k for k in now if k not in skip and before.get(k) != now[k]]
         diff += changed_inputs(before, now)
         if diff:
+            # settings a flag sets alone (a trained run's lengths, taken from its config since this folder began)
+            same = [f"--{k} {before[k]}" for k in changed if k in TURN_FLAGS and before.get(k) is not None]
+            hint = f", or continue it with its settings: {' '.join(same)}" if len(same) == len(diff) else ""
             raise EvalError(f"{out} holds records made with other settings ({'; '.join(diff)}); "
-                            "pass --overwrite to start over, or choose another --out")
+                            f"pass --overwrite to start over, or choose another --out{hint}")
         now = now | {"data": old | now["data"], "data_sha256": before.get("data_sha256", {}) | now["data_sha256"]}
     out.mkdir(parents=True, exist_ok=True)
     write_durably(run_file, lambda f: f.write(json.dumps(now, indent=1) + "\n"), "w")

@@ -1104,11 +1104,18 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
 def test_a_folder_made_with_other_pooling_is_not_resumed(world, tmp_path):
     """run.json recorded --pooling only when it was not mean, and the check compares the new run's
     keys, so records made with cls pooling were resumed under mean. A folder from before --pooling
-    (every encoder mean-pooled) resumes under mean."""
+    (every encoder mean-pooled) resumes under mean. Where only such one-flag settings differ, the
+    refusal names the flags that continue the folder."""
     args = cli(world, tmp_path / "out", "--methods", "direct", "--data", str(world / "beta.jsonl"))
     evaluate.main([*args, "--pooling", "cls", "--limit", "1"])
-    with pytest.raises(SystemExit, match=r"other settings \(pooling: 'cls' -> 'mean'\)"):
+    with pytest.raises(SystemExit, match=r"other settings \(pooling: 'cls' -> 'mean'\); pass --overwrite to start "
+                                         r"over, or choose another --out, or continue it with its settings: --pooling cls$"):
         evaluate.main([*args, "--limit", "2"])
+    with pytest.raises(SystemExit, match=r"\(max_new_tokens: 3 -> 4; pooling: 'cls' -> 'mean'\); .* its settings: "
+                                         r"--max_new_tokens 3 --pooling cls$"):
+        evaluate.main([*args, "--limit", "2", "--max_new_tokens", "4"])
+    with pytest.raises(SystemExit, match=r"or choose another --out$"):  # other prompts: no flag of run.json's
+        evaluate.main([*args, "--limit", "2", "--prompts", ""])
     run = tmp_path / "out" / "run.json"
     saved = json.loads(run.read_text())
     run.write_text(json.dumps({k: v for k, v in saved.items() if k != "pooling"}))  # before --pooling
