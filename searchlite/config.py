@@ -328,18 +328,17 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
 
 def _toy_shaped(model: str) -> bool:
     """Whether --model is the toy warm start or a model trained from it (its width and vocabulary)."""
-    def shape(folder: Path):
-        for f in (folder / "config.json", folder / "checkpoint" / "policy" / "config.json",
-                  folder / "model" / "config.json"):
-            try:
-                saved = json.loads(f.read_text())
-                if "vocab_size" in saved:
-                    return saved.get("vocab_size"), saved.get("hidden_size")
-            except (OSError, ValueError):
-                continue
-        return None
+    from .model_spec import ModelError, resolve_model
 
-    return shape(Path(resolve_path(model))) == shape(TOY_DIR / "model")
+    def shape(spec: str):
+        try:
+            kind, folder = resolve_model(spec)  # a run's or stage 1's folder: the model inside it
+            saved = json.loads((Path(folder) / "config.json").read_text()) if kind == "hf" else {}
+        except (ModelError, OSError, ValueError):  # missing, a hub name, a GGUF file: not the toy's
+            return None
+        return (saved["vocab_size"], saved.get("hidden_size")) if "vocab_size" in saved else None
+
+    return shape(model) == shape(str(TOY_DIR / "model"))
 
 
 def _named(cfg, name: str) -> str:

@@ -224,6 +224,15 @@ RUN_KEYS = {"data": "test_data"}  # a command's flag -> the train.py config fiel
 PATH_SETTINGS = ("data", "corpus", "index", "encoder")  # written as typed, from the folder train.py ran in
 
 
+def run_defaults(**overrides) -> dict:
+    """The settings `fill_run_settings` takes from a run (flag -> default when there is none): the
+    retriever's, topk, max_obs_tokens and max_len at Config's defaults, --data at its test_data."""
+    from .config import Config
+
+    fields = (*RETRIEVER_SETTINGS, "topk", "max_obs_tokens", "max_len")
+    return {k: getattr(Config, k) for k in fields} | {"data": Config.test_data} | overrides
+
+
 def fill_run_settings(args, run_config: Path | None, defaults: dict) -> None:
     """Set each flag of `defaults` left unset (None) to the train.py run's value in `run_config`
     (`fill_prompt_settings`'s return; `RUN_KEYS` maps names), saying so where it differs from

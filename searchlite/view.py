@@ -124,10 +124,10 @@ def main(argv=None) -> None:
     if args.temperature is not None and not args.temperature >= 0:
         ap.error(f"argument --temperature: must be at least 0 (0 = greedy, as --greedy), got {args.temperature}")
 
-    from .config import DEFAULT_PRESETS, TOY_DIR, Config, ConfigError, read_presets, resolve_path
+    from .config import DEFAULT_PRESETS, TOY_DIR, ConfigError, read_presets, resolve_path
     from .data import DataError, read_qa
     from .evaluation import QUESTION_STOP
-    from .model_spec import ModelError, fill_prompt_settings, fill_run_settings, load_model
+    from .model_spec import ModelError, fill_prompt_settings, fill_run_settings, load_model, run_defaults
     from .protocol import get_protocol
     from .r1pp import reward_terms
     from .retrieval import config_retriever
@@ -144,9 +144,7 @@ def main(argv=None) -> None:
         toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
         saved = (json.loads(run_config.read_text()) if run_config else
                  read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
-        fill_run_settings(args, run_config, {k: getattr(Config, k) for k in (
-            "retriever", "corpus", "index", "encoder", "pooling", "retriever_url", "topk", "max_obs_tokens", "max_len")}
-            | {"data": "toy/test.jsonl"})  # asked on the run's test set, searched with its retriever
+        fill_run_settings(args, run_config, run_defaults())  # the run's test set, retriever and lengths
         qa = read_qa(resolve_path(args.data))[: args.n]
         if args.retriever_url:
             args.retriever = "http"
