@@ -38,6 +38,11 @@ class DataError(ValueError):
     """A malformed corpus or QA file; the message reads `path:line: what is wrong`."""
 
 
+def os_error_text(e: OSError) -> str:
+    """An OSError in one line for a user: "path: reason" when it names a file, else its own text."""
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+
+
 @dataclass
 class Passage:
     """One retrievable passage.

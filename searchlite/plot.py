@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import ArgumentParser, HelpFormatter
-from .data import DataError, read_log
+from .data import DataError, os_error_text, read_log
 
 PANELS = [("reward", "train reward"), ("em", "train EM"), ("eval/all", "held-out test EM"),
           ("searches", "valid searches / rollout"), ("response_len", "response length (policy tokens)"),
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     except DataError as e:  # a missing file, or a bad line (its file and line)
         sys.exit(f"error: {e}")
     except OSError as e:  # a file that does not read (permissions)
-        sys.exit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}")
+        sys.exit(f"error: {os_error_text(e)}")
 
 
 if __name__ == "__main__":

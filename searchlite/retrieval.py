@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from searchlite.bm25 import FILES as BM25_FILES
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
-from searchlite.data import DataError, replace_durably, split_contents, write_durably
+from searchlite.data import DataError, os_error_text, replace_durably, split_contents, write_durably
 
 _SHOW_PROGRESS = 10_000  # passages; progress bars below this size are noise
 HTTP_QUERY_CHARS = 4096  # searchlite's server cuts longer queries (server.make_app); Search-R1's takes any
@@ -609,7 +609,7 @@ def config_retriever(cfg) -> Retriever:
     except DataError:  # a bad corpus line: it names its file and line already
         raise
     except OSError as e:
-        raise ConfigError(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)) from None
+        raise ConfigError(os_error_text(e)) from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

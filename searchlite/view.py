@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         ap.error(f"argument --temperature: must be at least 0 (0 = greedy, as --greedy), got {args.temperature}")
 
     from .config import DEFAULT_PRESETS, TOY_DIR, ConfigError, read_presets, resolve_path
-    from .data import DataError, read_qa
+    from .data import DataError, os_error_text, read_qa
     from .evaluation import QUESTION_STOP
     from .model_spec import ModelError, fill_prompt_settings, fill_run_settings, load_model, run_defaults
     from .protocol import get_protocol
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     except (DataError, ConfigError, ModelError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
-        raise SystemExit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}") from None
+        raise SystemExit(f"error: {os_error_text(e)}") from None
     try:
         protocol = get_protocol(args.protocol, args.template)  # an unknown protocol, a template without {question}
         model, tok = load_model(args.model)
