@@ -188,17 +188,25 @@ def _last_boxed(text: str) -> tuple[int | None, str | None]:
     return None, None
 
 
-# LaTeX commands that only style their argument; models answering in LaTeX put them in \boxed{}
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf)\s*\{")
+# LaTeX commands that only style their argument; models answering in LaTeX put them in \boxed{}:
+# \text and its font forms (\textbf, \textsc, ...), \mathrm and its kin, \emph, \mbox, \operatorname
+_TEXT_WRAPPER = re.compile(r"\\(?:text(?:bf|it|rm|sf|tt|sc|sl|up|md|normal)?|math(?:rm|bf|it|sf|tt|normal)"
+                           r"|emph|mbox|operatorname)\s*\{")
+# LaTeX spaces: a tie (~) and the spacing commands \ , \, \; \: are a space in the answer, where
+# normalisation would delete them as punctuation and join the words ("Barack~Obama")
+_LATEX_SPACE = re.compile(r"~|\\[ ,;:]")
 
 
 def _unwrap_text(s: str) -> str:
-    """`s` with every `\\text{x}`, `\\textbf{x}`, `\\textit{x}`, `\\textrm{x}`, `\\mathrm{x}` and
-    `\\mathbf{x}` replaced by x, nested ones too; other braces are kept. Braces are matched as
-    in `_last_boxed` (one pass with a stack, no recursion); `s` unchanged if a wrapper is unclosed.
+    """`s` with every style wrapper (`_TEXT_WRAPPER`: `\\text{x}`, `\\textbf{x}`, `\\emph{x}`,
+    `\\mathrm{x}`, ...) replaced by x, nested ones too, and LaTeX's spaces (`~`, `\\,`, ...) by a
+    space; other braces are kept. Braces are matched as in `_last_boxed` (one pass with a stack,
+    no recursion); `s` unchanged if a wrapper is unclosed.
 
     >>> _unwrap_text("\\\\text{New} \\\\textbf{\\\\mathrm{York}} {x}")
     'New York {x}'
+    >>> _unwrap_text("\\\\emph{Barack~Obama}")
+    'Barack Obama'
     """
     out, stack, i = [], [], 0  # stack: per open brace, whether it opened a wrapper
     while i < len(s):
@@ -214,7 +222,7 @@ def _unwrap_text(s: str) -> str:
             continue
         out.append(s[i])
         i += 1
-    return s if any(stack) else "".join(out)
+    return s if any(stack) else _LATEX_SPACE.sub(" ", "".join(out))
 
 
 def _read_template(path: str | Path, name: str) -> str:

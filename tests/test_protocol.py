@@ -144,7 +144,14 @@ def test_r1_searcher_pp_cases(text, expect):
     (r"\boxed{\textbf{\text{Nested}}}", "Nested"),  # nested wrappers
     (r"\boxed{\text {Lima} {x}}", "Lima {x}"),  # a space before the brace; plain braces kept
     (r"so \boxed{\text{first}} then \boxed{\textbf{second}}.", "second"),  # still the last boxed
-    (r"\boxed{\textsc{Paris}}", r"\textsc{Paris}"),  # not a plain-text wrapper: left alone
+    (r"\boxed{\textsc{Paris}}", "Paris"),  # other font forms too
+    (r"\boxed{\emph{Hamlet}}", "Hamlet"),  # would normalize to "emphhamlet"
+    (r"\boxed{\mbox{Paris}}", "Paris"),
+    (r"\boxed{\operatorname{x}}", "x"),
+    (r"\boxed{\mathit{\textsf{Lima}}}", "Lima"),
+    (r"\boxed{Barack~Obama}", "Barack Obama"),  # a tie is a space (normalized "barackobama" before)
+    (r"\boxed{\text{New\ York\,City}}", "New York City"),  # and so are \  and \,
+    (r"\boxed{\mathbb{R}}", r"\mathbb{R}"),  # not a text style: left alone
     (r"\boxed{\texts{Paris}}", r"\texts{Paris}"),  # a longer command name is not \text
     (r"\boxed{\text{}}", None),  # nothing left: no answer
 ])
