@@ -49,7 +49,8 @@ from .rollout import rollout
 
 METHODS = ("direct", "cot", "rag", "search")
 # What scoring a record means, kept in a run's settings: records scored otherwise are not mixed in on a resume.
-SCORING = "cover-EM without a word cap; a baseline's unclosed <answer> stripped"
+SCORING = ("cover-EM without a word cap, punctuation deleted or spaced; a baseline's unclosed <answer> stripped; "
+           "\\boxed{} style wrappers and LaTeX spaces read as text")
 SAVE_EVERY = 60.0  # seconds between saves of re-judged records (each rewrites records.jsonl)
 METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")  # (+ "judge" when every record has one)
 PLACEHOLDERS = {"direct": ("{question}",), "cot": ("{question}",), "rag": ("{question}", "{documents}")}

@@ -24,6 +24,7 @@ or LLM-judged rewards, and any tensor code (stdlib only, so rewards can run anyw
 import re
 import string
 import statistics
+import unicodedata
 from collections import Counter
 
 _PUNCT = set(string.punctuation)
@@ -46,6 +47,17 @@ def normalize_answer(s: str) -> str:
     s = "".join(ch for ch in s if ch not in _PUNCT)
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
+
+
+def _spaced(s: str) -> str:
+    """`normalize_answer` with punctuation, ASCII or Unicode (an en dash, curly quotes), turned
+    into a space instead of deleted: R1-Searcher's normalisation, for cover-EM's second reading.
+
+    >>> _spaced("Louvre, Paris's"), _spaced("Trenton–Mercer")
+    ('louvre paris s', 'trenton mercer')
+    """
+    s = "".join(" " if ch in _PUNCT or unicodedata.category(ch).startswith("P") else ch for ch in s.lower())
+    return " ".join(_ARTICLES.sub(" ", s).split())
 
 
 def _as_list(golds) -> list:
@@ -101,9 +113,11 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     back to a plain substring of the normalised text, so "parisian" covers "paris" and "1990s"
     covers "1990" there, as in Search-R1's `subem_check`; its `_1` takes the gold's words in any
     order and place ("tower of eiffel" covers "Eiffel Tower"); and its normalisation turns
-    punctuation into spaces where ours (Search-R1's, SQuAD's) deletes it ("jean-paul" is
-    "jeanpaul" here, "jean paul" there). A substring reward would pay a policy for a longer word
-    that holds the answer. The prediction may have at most `max_words` whitespace-separated
+    punctuation into spaces where Search-R1's (SQuAD's) deletes it. Here a gold is covered under
+    either normalisation (`normalize_answer`, `_spaced`), so neither a hyphen ("jean-paul" covers
+    "Jean Paul") nor a possessive or a comma with no space after it ("Paris's", "Paris,France")
+    hides the gold, and Unicode punctuation (an en dash) counts as punctuation. A substring reward
+    would pay a policy for a longer word that holds the answer. The prediction may have at most `max_words` whitespace-separated
     words, counted on the raw prediction as the model wrote it — otherwise 0.0, so the policy
     cannot win by listing candidates (R1-Searcher++ §4.2.1, the training reward).
     `max_words=None` is the evaluation metric (ACC_R, §5.1), which has no such cap. Golds that
@@ -120,11 +134,12 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     """
     if pred is None or (max_words is not None and len(pred.split()) > max_words):
         return 0.0
-    p = f" {normalize_answer(pred)} "
-    for g in _as_list(golds):
-        g = normalize_answer(g)
-        if g and f" {g} " in p:
-            return 1.0
+    for norm in (normalize_answer, _spaced):
+        p = f" {norm(pred)} "
+        for g in _as_list(golds):
+            g = norm(g)
+            if g and f" {g} " in p:
+                return 1.0
     return 0.0
 
 

@@ -91,6 +91,13 @@ def test_f1_score(pred, golds, expected):
         ("the cat", ["the"], {}, 0.0),  # gold normalises to "": never covers
         ("eiffel", ["eiffel tower"], {}, 0.0),  # partial gold is not covered
         (None, ["paris"], {}, 0.0),
+        ("Louvre, Paris's", ["Paris"], {}, 1.0),  # a possessive ("pariss" with punctuation deleted)
+        ("Paris,France", ["Paris"], {}, 1.0),  # a comma with no space after it
+        ("Jean-Paul Sartre", ["Jean Paul Sartre"], {}, 1.0),  # a hyphen against a space
+        ("Jean Paul Sartre", ["Jean-Paul Sartre"], {}, 1.0),
+        ("Trenton-Mercer Airport", ["Trenton\u2013Mercer Airport"], {}, 1.0),  # an en dash, as realqa has
+        ("the answer is \u201cParis\u201d", ["Paris"], {}, 1.0),  # curly quotes
+        ("Parisian's", ["Paris"], {}, 0.0),  # still whole words
     ],
 )
 def test_cover_exact_match(pred, golds, kwargs, expected):
