@@ -39,7 +39,7 @@ from .protocol import TEMPLATE_DIR
 # true", "**Not** correct"); a hedge before it makes it False ("Partially true": not all of it is
 # right), and so does a "not" with a degree word ("Not entirely true", "Not entirely false": part
 # of it is wrong); "true" before answer/gold/value is a noun phrase, not a verdict.
-VERDICT_RULE = "5"  # in Judge.stamp: a change of rule re-judges the stored replies' records
+VERDICT_RULE = "6"  # in Judge.stamp: a change of rule re-judges the stored replies' records
 _HEDGES = "partially|partly|mostly|largely|somewhat|half"
 _DEGREES = "entirely|quite|really|exactly|necessarily|completely|fully|totally|wholly|strictly|precisely"  # after a not
 _NOT = rf"((?:\bnot|n't|\bcannot\s+be|\b(?:{_HEDGES}))[\s*_-]+(?:(?:{_DEGREES})[\s*_-]+)?)?"
@@ -54,6 +54,10 @@ _OPENING_WORD = re.compile(_FIRST_WORD.pattern + r"(?=[\s*_]*(?:[.,:;!)\n]|$))",
 # the last resort, a first word with words after it ("Correct because ...", "Wrong answer."), but not a
 # "correct"/"right"/"yes" that opens a noun phrase going on ("Correct answer: Lyon", "Right answer would
 # be") or a hedge ("Yes and no"), nor "No doubt"
+# a sentence that calls the prediction right or wrong, when there is no true/false: "The prediction
+# is correct.", "It is not correct.", "The answer's wrong"
+_IS_WORD = re.compile(r"\b(?:prediction|answer|response|it|this|that)(?:[\s*_]+(?:is|was)|'s)[\s*_]*" + _NOT
+                      + r"\b(correct|right|incorrect|wrong)\b", re.I)
 _NOT_ALONE = re.compile(r"(?:correct|right|yes)[\s*_]+(?:(?:answers?|responses?|ones?)\b(?![\s*_]*(?:[.!]|$))|"
                         r"(?:and|or|but)\b)|no[\s*_]+doubt\b", re.I)
 
@@ -79,7 +83,9 @@ def verdict(reply: str) -> bool | None:
     says: "true" or "false", or correct, right, yes (True) or incorrect, wrong, no (False) standing
     alone ("No." or "Incorrect, the true answer is Lyon", not "No doubt" or "Correct answer is").
     Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
-    and failing that its first word ("Correct because ..."), unless that word opens a noun phrase
+    failing that its last sentence calling the prediction right or wrong ("The prediction is
+    correct.", "It is not correct."), and failing that its first word ("Correct because ..."),
+    unless that word opens a noun phrase
     or a hedge ("Correct answer: Lyon", "Yes and no": no verdict). A "not" before the word flips it, a hedge ("partially",
     "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only
     the prompt's words count there ("False. The correct answer is Lyon" is False).
@@ -98,6 +104,9 @@ def verdict(reply: str) -> bool | None:
     found = _LEAD.match(answer) or _OPENING_WORD.match(answer)
     if not found:
         for found in _TRUE_FALSE.finditer(answer):  # the last one: an explanation ends with it
+            pass
+    if not found:
+        for found in _IS_WORD.finditer(answer):  # the last one too
             pass
     if not found and (first := _FIRST_WORD.match(answer)) and not _NOT_ALONE.match(answer, first.start(2)):
         found = first

@@ -907,6 +907,10 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("No doubt the prediction is", None), ("Yes and no", None),
     ("Correct answer.", True), ("Correct answer!", True), ("Wrong answer.", False),  # the noun phrase ends there
     ("Incorrect answer, it is Paris", False), ("Wrong and misleading", False),
+    # no true/false and no verdict word first: a sentence calling the prediction right or wrong
+    ("The prediction is correct.", True), ("It is not correct.", False), ("The prediction is wrong.", False),
+    ("The answer isn't right", False), ("Both name Paris; the prediction is incorrect? No, it is correct.", True),
+    ("The prediction is partially correct.", False), ("The correct answer is Lyon.", None),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
