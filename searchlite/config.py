@@ -69,7 +69,7 @@ class Config:
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
     pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
     index: str = ""  # an index folder (retrieve.py build), read with the corpus it was built from unless --corpus names another; or a FAISS file (--retriever dense)
-    retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000
+    retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000; the flag alone means --retriever http
     topk: int = 3  # passages returned per search
     # --- protocol and rollout
     protocol: str = "search_r1"  # search_r1 (<search>/<answer> tags) | r1_searcher_pp (internal/external, \boxed{})
@@ -314,6 +314,16 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     for key, value in pairs:
         values[key] = _coerce(key, value, "command line")
         from_preset.pop(key, None)
+    given = {k for k, _ in pairs}
+    if {"retriever", "retriever_url"} <= given and values["retriever_url"] and values["retriever"] != "http":
+        raise ConfigError(f"command line: --retriever_url {values['retriever_url']} is searched only with --retriever "
+                          f"http, not --retriever {values['retriever']}")
+    if "retriever_url" in given and values["retriever_url"] and "retriever" not in given \
+            and values.get("retriever", Config.retriever) != "http":  # as evaluate.py and view read it
+        print(f"note: --retriever_url {values['retriever_url']}: searching that server (--retriever http) instead of "
+              f"--retriever {values.get('retriever', Config.retriever)}", file=sys.stderr, flush=True)
+        values["retriever"] = "http"
+        from_preset.pop("retriever", None)
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
     if not cfg.out_dir:

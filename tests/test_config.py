@@ -262,6 +262,8 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--model", "toy/model/.."), "--model toy/model/..: no config.json or adapter_config.json in that folder; the model is in "),
     (("--model", "toy/train.jsonl"), "--model toy/train.jsonl is a file; expected a Hugging Face model folder"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),
+    (("--retriever", "bm25", "--retriever_url", "http://127.0.0.1:9"),
+     "--retriever_url http://127.0.0.1:9 is searched only with --retriever http, not --retriever bm25"),
     (("--retriever", "dense"), "--retriever dense needs --encoder"),
     (("--retriever", "rank_bm25", "--index", "toy/model"), "--retriever rank_bm25 with --index toy/model: rank_bm25"),
     (("--template", "toyy"), "toyy_search_r1.txt does not exist; give a prompt file with {question}, or a set here: "
@@ -437,3 +439,19 @@ def test_the_toy_preset_applied_to_another_model_is_said(tmp_path, capsys):
     for argv in ([], ["--model", str(trained)], ["--preset", "toy", "--model", str(other)]):
         parse_args(argv)
         assert capsys.readouterr().err == "", argv
+
+
+def test_retriever_url_alone_searches_that_server(tmp_path, capsys):
+    """--retriever_url alone means --retriever http, as evaluate.py and view read it: train.py searched
+    BM25 over the toy corpus and saved the address in config.json as if it had been used."""
+    cfg = parse_args(["--retriever_url", "http://127.0.0.1:9"])
+    assert (cfg.retriever, cfg.retriever_url) == ("http", "http://127.0.0.1:9")
+    assert "searching that server (--retriever http) instead of --retriever bm25" in capsys.readouterr().err
+    presets = tmp_path / "p.toml"
+    presets.write_text('[remote]\nretriever = "http"\nretriever_url = "http://a:1"\n[dense]\nretriever = "dense"\n')
+    assert parse_args(["--preset", "dense", "--retriever_url", "http://b:2"], presets=presets).retriever == "http"
+    assert "instead of --retriever dense" in capsys.readouterr().err
+    cfg = parse_args(["--preset", "remote", "--retriever_url", "http://b:2"], presets=presets)
+    assert (cfg.retriever, cfg.retriever_url) == ("http", "http://b:2")
+    assert "note" not in capsys.readouterr().err  # already http: nothing to say
+    assert parse_args(["--retriever_url", ""]).retriever == "bm25"  # an empty address names no server
