@@ -40,6 +40,8 @@ def make(args):
         kw = dense_kw if index_kind(args.index) == "dense" else {}
         if kw and args.encoder:
             kw["encoder"] = args.encoder
+        if kw and args.pooling != "mean":  # the default: the folder's pooling
+            kw["pooling"] = args.pooling
         return load_index(args.index, corpus, kind=kind, **kw)
     if args.index and not os.path.exists(args.index):
         raise FileNotFoundError(f"no index folder or FAISS file at {args.index}")

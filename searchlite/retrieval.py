@@ -526,7 +526,8 @@ def index_kind(folder) -> str | None:
 def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     """Open a folder written by `retrieve.py build` (or a retriever's `save`). `corpus`, a
     path or passages, defaults to the corpus file the folder was built from; `kind`, when
-    given, must match the folder's. Keywords go to the dense retriever (`device`, `mmap`)."""
+    given, must match the folder's. Keywords go to the dense retriever (`device`, `mmap`,
+    `encoder`); `pooling`, when given, must be the folder's (its passage vectors were pooled so)."""
     found = index_kind(folder)
     if found is None:
         raise FileNotFoundError(f"{folder} is not a finished index folder (no bm25.json or dense.json); "
@@ -534,6 +535,10 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     if kind is not None and kind != found:
         raise ValueError(f"{folder} holds a {found} index, not a {kind} one")
     settings = read_settings(folder, found)
+    pooling = kw.pop("pooling", None)
+    if pooling is not None and found == "dense" and pooling != settings.get("pooling"):
+        raise ValueError(f"pooling {pooling!r}: index {folder} holds {settings.get('pooling')}-pooled passage vectors, "
+                         f"which {pooling}-pooled queries would not match; leave pooling out, or build an index with it")
     if corpus is None:
         corpus = settings.get("corpus")
         if not corpus or not os.path.isfile(corpus):
@@ -552,7 +557,8 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
 def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", index=None, url=None, **kw) -> Retriever:
     """Build a retriever by name. `corpus` is a JSONL path (or a list of Passage) for every
     kind but "http", which needs `url`. `index` may be a folder written by `retrieve.py build`
-    (loaded; for "dense", `encoder` then overrides the saved one) or, for "dense", a FAISS
+    (loaded; for "dense", `encoder` then overrides the saved one, and a `pooling` other than the
+    default "mean" must be the saved one) or, for "dense", a FAISS
     file such as Search-R1's e5_Flat.index; else the corpus is indexed now. Other keywords
     go to the retriever's constructor."""
     if kind not in KINDS:
@@ -570,6 +576,8 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     if index is not None and os.path.isdir(index):
         if encoder is not None:
             kw["encoder"] = encoder
+        if pooling != "mean":  # every caller's default: the folder's pooling
+            kw["pooling"] = pooling
         return load_index(index, corpus, kind=kind, **kw)
     if corpus is None:
         raise ValueError(f"retriever kind {kind!r} needs a corpus")

@@ -453,3 +453,17 @@ def test_config_retriever_names_an_encoder_that_does_not_load(tmp_path):
                           pooling="mean", index="", retriever_url="", topk=3)
     with pytest.raises(ConfigError, match=re.escape(f"encoder '{tmp_path / 'no' / 'enc'}' could not be loaded")):
         config_retriever(cfg)
+
+
+def test_pooling_other_than_the_index_folders_is_refused(dense, tmp_path):
+    """--pooling cls on a folder of mean-pooled vectors was dropped without a word (the folder's
+    pooling won) while evaluate.py recorded cls."""
+    dense.save(tmp_path / "idx")
+    with pytest.raises(ValueError, match=r"pooling 'cls': index .*idx holds mean-pooled passage vectors"):
+        build_retriever("dense", CORPUS, pooling="cls", index=str(tmp_path / "idx"))
+    loaded = build_retriever("dense", CORPUS, index=str(tmp_path / "idx"))  # the default: the folder's pooling
+    assert loaded.search(["Paris"], k=2)[0][0].id == dense.search(["Paris"], k=2)[0][0].id
+    import retrieve
+
+    with pytest.raises(SystemExit, match=r"pooling 'cls': index .*idx holds mean-pooled"):  # the CLI too
+        retrieve.main(["query", "--index", str(tmp_path / "idx"), "--pooling", "cls", "Paris"])
