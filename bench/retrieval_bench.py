@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import runpy
+import socket
 import statistics
 import subprocess
 import sys
@@ -158,8 +159,20 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
     from searchlite.data import read_qa
     from searchlite.retrieval import HTTPRetriever
 
+    with socket.socket() as probe:  # another process's server there would answer /health and be measured
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            sys.exit(f"bench: port {port} is taken ({e.strerror}): another server may be there; pick --port")
+    log = tempfile.TemporaryFile()
     server = subprocess.Popen([PY, "retrieve.py", "serve", "--index", index, "--port", str(port)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=log)
+
+    def exited(what: str):
+        log.seek(0)
+        tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+        sys.exit(f"bench: the server {what}" + "".join(f"\n  {line}" for line in tail))
+
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(1200):  # a dense index loads its encoder first
@@ -168,8 +181,12 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
                 break
             except OSError:
                 if server.poll() is not None:
-                    sys.exit("bench: the server exited at start")
+                    exited("exited at start:")
                 time.sleep(0.25)
+        else:
+            exited("did not answer /health in 300 s:")
+        if server.poll() is not None:  # what answered is not this server
+            exited(f"exited, and another process answers on port {port}:")
         texts = [q.question for q in read_qa(qa)]
         latencies, errors = [], []
 
@@ -193,6 +210,7 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
     finally:
         server.terminate()
         server.wait()
+        log.close()
     q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
     return dict(p50_ms=q[49] * 1000, p99_ms=q[98] * 1000, rps=len(latencies) / wall, errors=len(errors),
                 first_error=errors[0] if errors else None)

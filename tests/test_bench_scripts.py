@@ -174,3 +174,26 @@ def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retri
     assert retrieval_bench.stale(folder, "bm25", other) == f"it was built over {corpus}"
     os.utime(corpus, ns=(1, 1))  # the same file, changed since
     assert retrieval_bench.stale(folder, "bm25", corpus) == f"{corpus} changed since it was built"
+
+
+def test_retrieval_bench_refuses_a_port_another_server_holds(retrieval_bench, tmp_path):
+    """With the port taken, the bench's own server exited and the bench measured whatever answered there."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"bench: port {port} is taken .*pick --port"):
+            retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
+
+
+def test_retrieval_bench_shows_why_its_server_exited(retrieval_bench, tmp_path):
+    """The server's stderr went to /dev/null: 'the server exited at start' said nothing of why."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=r"bench: the server exited at start:\n .*not a finished index folder"):
+        retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
