@@ -354,7 +354,9 @@ class DenseRetriever(Retriever):
                 raise FileNotFoundError(f"no FAISS index file at {index}")
             index = faiss.read_index(str(index), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if index.ntotal != len(self.passages):
-            raise ValueError(f"index holds {index.ntotal} vectors but there are {len(self.passages)} passages")
+            raise ValueError(f"index holds {index.ntotal} vectors but the corpus has {len(self.passages)} passages: a "
+                             "FAISS file goes with the corpus it was built over (--corpus; the default is the toy "
+                             "world's)")
         if search_params:
             faiss.ParameterSpace().set_index_parameters(index, search_params)
         self.index, self.search_params = index, search_params

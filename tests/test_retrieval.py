@@ -467,3 +467,13 @@ def test_pooling_other_than_the_index_folders_is_refused(dense, tmp_path):
 
     with pytest.raises(SystemExit, match=r"pooling 'cls': index .*idx holds mean-pooled"):  # the CLI too
         retrieve.main(["query", "--index", str(tmp_path / "idx"), "--pooling", "cls", "Paris"])
+
+
+def test_a_faiss_file_over_another_corpus_says_which_corpus_to_give(dense, encoder_dir, tmp_path):
+    """train.py --index e5_Flat.index without --corpus read the toy corpus and said only 'index holds
+    21015324 vectors but there are 450 passages'."""
+    dense.save(tmp_path / "idx")
+    with pytest.raises(ValueError, match=rf"index holds {len(CORPUS)} vectors but the corpus has 3 passages: a FAISS "
+                                         r"file goes with the corpus it was built over \(--corpus"):
+        build_retriever("dense", CORPUS[:3], encoder=str(encoder_dir / "tiny-bert"),
+                        index=str(tmp_path / "idx" / "index.faiss"))
