@@ -117,9 +117,10 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     either normalisation (`normalize_answer`, `_spaced`), so neither a hyphen ("jean-paul" covers
     "Jean Paul") nor a possessive or a comma with no space after it ("Paris's", "Paris,France")
     hides the gold, and Unicode punctuation (an en dash) counts as punctuation. A substring reward
-    would pay a policy for a longer word that holds the answer. The prediction may have at most `max_words` whitespace-separated
-    words, counted on the raw prediction as the model wrote it — otherwise 0.0, so the policy
-    cannot win by listing candidates (R1-Searcher++ §4.2.1, the training reward).
+    would pay a policy for a longer word that holds the answer. The prediction may have at most
+    `max_words` words, counted on the raw prediction as the model wrote it, split at whitespace or
+    at punctuation too, whichever gives more — otherwise 0.0, so the policy cannot win by listing
+    candidates, with spaces or commas (R1-Searcher++ §4.2.1, the training reward).
     `max_words=None` is the evaluation metric (ACC_R, §5.1), which has no such cap. Golds that
     normalise to "" never match.
 
@@ -132,7 +133,9 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     >>> cover_exact_match("one two three four five six seven eight nine ten paris", ["paris"], max_words=None)
     1.0
     """
-    if pred is None or (max_words is not None and len(pred.split()) > max_words):
+    # words as written, or split at punctuation too: "a,b,c,...", one word as written, lists as many
+    # candidates as it has names, which the spaced reading below would each find
+    if pred is None or (max_words is not None and max(len(pred.split()), len(_spaced(pred).split())) > max_words):
         return 0.0
     for norm in (normalize_answer, _spaced):
         p = f" {norm(pred)} "

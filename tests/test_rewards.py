@@ -98,6 +98,9 @@ def test_f1_score(pred, golds, expected):
         ("Trenton-Mercer Airport", ["Trenton\u2013Mercer Airport"], {}, 1.0),  # an en dash, as realqa has
         ("the answer is \u201cParis\u201d", ["Paris"], {}, 1.0),  # curly quotes
         ("Parisian's", ["Paris"], {}, 0.0),  # still whole words
+        ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Apia,Paris", ["Paris"], {}, 0.0),  # 11 names: over the cap
+        ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Paris", ["Paris"], {}, 1.0),  # 10
+        ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Apia,Paris", ["Paris"], {"max_words": None}, 1.0),
     ],
 )
 def test_cover_exact_match(pred, golds, kwargs, expected):
