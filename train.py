@@ -24,6 +24,7 @@ import functools
 import json
 import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -385,7 +386,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
                              batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int) -> tuple[dict, list[dict]]:
+        """Held-out EM and searches by question type, and each question's record (rank 0 saves them)."""
         with dist.gathered(generator):  # torchrun: each rank answers its share of the test questions
             _, records = score_qa(sampler, retriever, tokenizer, protocol, dist.shard(test_qa, even=False),
                                   batch_size=64, progress=dist.is_main(), **rollout_kw)
@@ -394,8 +396,11 @@ def train(argv, held: contextlib.ExitStack) -> None:
         line = "  ".join(f"{k}: em {v['em']:.3f} searches {v['searches']:.2f}" for k, v in metrics.items())
         if dist.is_main():
             print(f"eval step {step}  {line}", flush=True)
+        return metrics, records
+
+    def save_eval(step: int, records: list[dict]) -> None:
+        if dist.is_main():
             write_jsonl(out / "eval" / f"step_{step:06d}.jsonl", records)  # each answer, trajectory and passage
-        return metrics
 
     start = 0
     if ckpt is not None:
@@ -419,22 +424,28 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 print(f"the checkpoint is already at step {start} of --steps {cfg.steps}: nothing to train "
                       "(a larger --steps trains on)", flush=True)
     elif cfg.resume and dist.is_main():
-        print(f"--resume: no checkpoint in {out}, starting fresh", flush=True)
-    if dist.is_main():  # only now that everything has loaded: a run that stops before this changes no file
-        if found and not cfg.resume:  # a forgotten --resume: the earlier run is kept as *.previous, not replaced
+        aside = " (checkpoint.previous holds the run a fresh start set aside: to continue it, rename it and its " \
+                "*.previous files back)" if (out / "checkpoint.previous").is_dir() else ""
+        print(f"--resume: no checkpoint in {out}, starting fresh{aside}", flush=True)
+    if found and not cfg.resume and dist.is_main():  # a forgotten --resume: said before step 0's evaluation
+        print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues it "
+              "instead) and sets the earlier run aside after its step-0 evaluation (a Ctrl-C before then "
+              "changes no file)", flush=True)
+    first_eval = evaluate(0) if start == 0 else None  # before any file changes, as the note says
+    if dist.is_main():  # only now that everything has loaded and step 0 is scored: a run that stops before changes no file
+        if found and not cfg.resume:  # the earlier run is kept as *.previous, not replaced
             moved = set_aside(out, (found.name, *PREVIOUS_RUN))
             shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
-            print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues "
-                  f"it instead), and the earlier run is kept: {', '.join(moved)}", flush=True)
+            print(f"note: the earlier run is kept: {', '.join(moved)}", flush=True)
         save_config(cfg, out / "config.json")
         # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
         write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
     metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None
-    if start == 0:
-        row = {"step": 0, **{f"eval/{k}": v for k, v in evaluate(0).items()}}
+    if first_eval is not None:
+        save_eval(0, first_eval[1])
         if dist.is_main():
-            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.write(json.dumps({"step": 0, **{f"eval/{k}": v for k, v in first_eval[0].items()}}) + "\n")
             metrics_file.flush()
 
     # Ctrl-C: the step finishes, is checkpointed, and the run stops (a second Ctrl-C: at once)
@@ -531,7 +542,9 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
                         "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                row.update({f"eval/{k}": v for k, v in evaluate(step + 1).items()})
+                scores_by_type, records = evaluate(step + 1)
+                save_eval(step + 1, records)
+                row.update({f"eval/{k}": v for k, v in scores_by_type.items()})
             if dist.is_main():
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
@@ -551,7 +564,9 @@ def train(argv, held: contextlib.ExitStack) -> None:
                                limit=8)
 
             # -------------------------------------------------------------- checkpoint
-            stopping = dist.all_max(int(stop.requested)) > 0  # torchrun: every rank stops after the same step
+            # torchrun: a signal to any rank stops every rank after the same step (a preempted node's alone)
+            signum = dist.all_max(stop.signum)
+            stopping = signum > 0
             if cfg.save_every and (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
                 # torchrun: every rank takes part (FSDP2 gathers optimizer state and weights; sampler and RNG
                 # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
@@ -569,8 +584,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 dist.barrier()
             if stopping:
                 if dist.is_main():
-                    print(f"stopped after step {step + 1}, checkpoint saved: rerun with --resume to continue",
-                          flush=True)
+                    elsewhere = "" if stop.requested else f" (another process got {signal.Signals(signum).name})"
+                    print(f"stopped after step {step + 1}{elsewhere}, checkpoint saved: rerun with --resume to "
+                          "continue", flush=True)
+                stop.adopt(signum)  # a rank the signal did not reach ends as the one it reached: no "done", 128 + it
                 break
     if dist.is_main():
         metrics_file.close()

@@ -325,6 +325,11 @@ class GracefulStop:
             print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "
                   "to stop at once", flush=True)
 
+    def adopt(self, signum: int) -> None:
+        """Stop as if `signum` had come here: torchrun's ranks all stop when one got it."""
+        if not self.requested:
+            self.requested, self.signum = True, signum
+
     def exit_if_requested(self, message: str = "") -> None:
         """After a signal: print `message` (how to resume), then exit with status 128 + the signal."""
         if self.requested:

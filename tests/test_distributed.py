@@ -512,6 +512,42 @@ def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][-1] == step
 
 
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of torchrun `parent`'s child process of RANK `rank` (Linux: /proc)."""
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds rank 1's process through /proc")
+def test_torchrun_a_signal_to_one_rank_alone_stops_every_rank_as_stopped(tiny_model, tmp_path):
+    """SIGTERM to rank 1 alone (a preempted node, a kill): every rank stopped after the same step,
+    but rank 0 then printed 'done: ... holds the step-500 model' and exited 0."""
+    from test_train import args
+
+    out = tmp_path / "run"
+    cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4",
+           "--eval_every", "0"]
+    proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "step    1 |" in line:
+                os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
+                break
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        proc.kill()
+    text = "".join(seen)
+    assert proc.returncode != 0, text[-3000:]
+    stopped = re.findall(r"stopped after step (\d+) \(another process got SIGTERM\), checkpoint saved", text)
+    assert len(stopped) == 1 and "done:" not in text, text[-3000:]
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == int(stopped[0])
+
+
 def test_settings_two_processes_cannot_use_are_refused_before_training(monkeypatch):
     monkeypatch.setattr(dist, "world", lambda: 2)
     dist.check_settings(8, 4, "ddp", optimizer="adamw8bit")  # a replica per rank: bitsandbytes' kernel works

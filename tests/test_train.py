@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -116,6 +117,57 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
+
+
+def test_a_signal_that_reached_another_rank_alone_stops_this_one_as_stopped(tiny_model, tmp_path, monkeypatch,
+                                                                           varied_reward, capsys):
+    """torchrun: a preempted node's ranks got SIGTERM, rank 0 did not. Every rank stopped after the
+    same step, but rank 0 then printed 'done: ... holds the step-N model' for a step never trained
+    and exited 0, so `torchrun ... && evaluate.py` went on. It now ends as the signalled rank does.
+    (One process here: dist.all_max stands in for the other rank's answer at step 2.)"""
+    from searchlite import distributed
+
+    real, asks = distributed.all_max, []
+
+    def other_rank_signalled(x):  # the loop's second ask (after step 2) meets a rank that got SIGTERM
+        if sys._getframe(1).f_code.co_name != "train":  # the other asks (non-finite values, rewrites)
+            return real(x)
+        asks.append(x)
+        return signal.SIGTERM if len(asks) == 2 else real(x)
+
+    monkeypatch.setattr(distributed, "all_max", other_rank_signalled)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        train.main(args(tiny_model, out, "grpo", steps=4, extra=["--save_every", "0"]))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    printed = capsys.readouterr().out
+    assert "stopped after step 2 (another process got SIGTERM), checkpoint saved" in printed
+    assert "done:" not in printed
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
+
+
+def test_ctrl_c_in_step_0s_evaluation_leaves_an_earlier_run_in_place(tiny_model, tmp_path, monkeypatch, capsys):
+    """A fresh run in a used folder (a forgotten --resume) set the earlier run aside before step 0's
+    held-out evaluation, minutes on a real model; a Ctrl-C there left checkpoint.previous and no
+    checkpoint while the message promised that --resume continues. Now the note comes first and
+    the earlier run is set aside only after that evaluation."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+    capsys.readouterr()
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "score_qa", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args(tiny_model, out, "grpo", steps=1))
+    assert "this run starts fresh (--resume continues it instead) and sets the earlier run aside after its step-0 " \
+           "evaluation" in capsys.readouterr().out
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"} == files
+    monkeypatch.undo()
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--resume"]))  # continues the run that was there
+    assert "resumed from" in capsys.readouterr().out and not list(out.glob("*.previous*"))
 
 
 def test_resuming_a_bf16_checkpoint_from_before_master_weights_names_the_change(tiny_model, tmp_path, varied_reward):
@@ -261,7 +313,9 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     assert (out / "metrics.jsonl").read_text() == first and (out / "config.json").read_text() == config
     assert not list(out.glob("*.previous*"))
     train.main(args(tiny_model, out, "grpo", steps=1))
-    assert f"note: {out} holds a checkpoint of an earlier run; this run starts fresh" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"note: {out} holds a checkpoint of an earlier run; this run starts fresh" in printed
+    assert "note: the earlier run is kept: checkpoint -> checkpoint.previous" in printed
     assert [r["step"] for r in metrics(out)] == [0, 1]
     assert (out / "metrics.previous.jsonl").read_text() == first and (out / "config.previous.json").read_text() == config
     assert (out / "checkpoint.previous" / "policy" / "model.safetensors").read_bytes() == weights
