@@ -432,7 +432,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
               "instead) and sets the earlier run aside after its step-0 evaluation (a Ctrl-C before then "
               "changes no file)", flush=True)
     first_eval = evaluate(0) if start == 0 else None  # before any file changes, as the note says
-    if dist.is_main():  # only now that everything has loaded and step 0 is scored: a run that stops before changes no file
+    if dist.is_main():  # only now that everything has loaded and step 0 is scored: a run stopped before changes no file
         if found and not cfg.resume:  # the earlier run is kept as *.previous, not replaced
             moved = set_aside(out, (found.name, *PREVIOUS_RUN))
             shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
