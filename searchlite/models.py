@@ -262,7 +262,9 @@ class Critic(nn.Module):
 
 def make_optimizer(params, lr: float, weight_decay: float, warmup_steps: int, kind: str = "adamw"):
     """AdamW (`kind` "adamw", or "adamw8bit": bitsandbytes' 8-bit states, searchlite/memory.py)
-    over the trainable `params`, with a linear warm-up to `lr`, then constant (Search-R1's schedule)."""
+    over the trainable `params`, with a linear warm-up to `lr`, then constant (Search-R1's schedule).
+    Step k (from 0) trains at (k + 1) / warmup_steps of `lr`: one step ahead of verl's
+    `get_constant_schedule_with_warmup`, whose first step has lr 0 (it only fills Adam's moments)."""
     from .memory import make_adamw
 
     params = [p for p in params if p.requires_grad]
