@@ -482,12 +482,11 @@ def test_torchrun_vllm_follows_a_sharded_policy():
         ("0", "True", "False"), ("1", "True", "False")]
 
 
-def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
-    """Ctrl-C reaches torchrun, which passes it on to each rank: the ranks finish the same step,
-    rank 0 checkpoints it and says so once, and the metrics end at that step."""
+def _train_and_signal(tiny_model, out, signal_it) -> tuple[int, str]:
+    """torchrun --nproc_per_node 2 train.py for up to 500 steps; `signal_it(proc)` once step 1 is
+    logged. (exit status, everything printed)"""
     from test_train import args
 
-    out = tmp_path / "run"
     cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4",
            "--eval_every", "0"]
     proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, stdout=subprocess.PIPE,
@@ -497,12 +496,19 @@ def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
         for line in proc.stdout:  # wait until training runs
             seen.append(line)
             if "step    1 |" in line:
-                proc.send_signal(signal.SIGINT)
+                signal_it(proc)
                 break
         seen.append(proc.communicate(timeout=120)[0])  # the rest, till it exits
     finally:
         proc.kill()
-    text = "".join(seen)
+    return proc.returncode, "".join(seen)
+
+
+def test_torchrun_ctrl_c_stops_every_rank_after_one_step(tiny_model, tmp_path):
+    """Ctrl-C reaches torchrun, which passes it on to each rank: the ranks finish the same step,
+    rank 0 checkpoints it and says so once, and the metrics end at that step."""
+    out = tmp_path / "run"
+    _, text = _train_and_signal(tiny_model, out, lambda proc: proc.send_signal(signal.SIGINT))
     assert text.count("finishing this step and saving a checkpoint") == 1, text[-3000:]  # rank 0 alone says it
     stopped = re.findall(r"stopped after step (\d+), checkpoint saved", text)
     assert len(stopped) == 1, text[-3000:]
@@ -524,25 +530,9 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 def test_torchrun_a_signal_to_one_rank_alone_stops_every_rank_as_stopped(tiny_model, tmp_path):
     """SIGTERM to rank 1 alone (a preempted node, a kill): every rank stopped after the same step,
     but rank 0 then printed 'done: ... holds the step-500 model' and exited 0."""
-    from test_train import args
-
     out = tmp_path / "run"
-    cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=500), "--save_every", "0", "--batch_size", "4",
-           "--eval_every", "0"]
-    proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "step    1 |" in line:
-                os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
-                break
-        seen.append(proc.communicate(timeout=120)[0])
-    finally:
-        proc.kill()
-    text = "".join(seen)
-    assert proc.returncode != 0, text[-3000:]
+    status, text = _train_and_signal(tiny_model, out, lambda proc: os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM))
+    assert status != 0, text[-3000:]
     stopped = re.findall(r"stopped after step (\d+) \(another process got SIGTERM\), checkpoint saved", text)
     assert len(stopped) == 1 and "done:" not in text, text[-3000:]
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == int(stopped[0])
