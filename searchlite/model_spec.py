@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -132,7 +133,10 @@ def gguf_to_folder(gguf: str, cache: str | None = None) -> Path:
         raise ModelError(f"loading {src.name} needs the package(s) {', '.join(missing)}: pip install gguf accelerate")
     with _locked(folder):
         if not (folder / "config.json").is_file():  # else another process converted it while this one waited
-            _convert_gguf(src, folder)
+            try:
+                _convert_gguf(src, folder)
+            except struct.error as e:  # gguf's reader on a file cut short (a download that stopped)
+                raise ValueError(f"{src} is cut short or damaged: {e}") from None
     return folder
 
 

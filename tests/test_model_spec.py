@@ -57,6 +57,28 @@ def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
     assert model_spec.gguf_to_folder(str(gguf)) == cached
 
 
+def test_a_gguf_file_cut_short_stops_train_py_in_one_line(tmp_path, monkeypatch):
+    """gguf's reader raises struct.error on a file cut short: train.py and evaluate.py, which print
+    a ValueError in one line, ended in its traceback. (The reader is stood in for: gguf is not in
+    the dev setup; the real one raised 'unpack_from requires a buffer of at least 24 bytes ...'.)"""
+    from searchlite.config import ConfigError, check_config, parse_args
+
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    real_find_spec = model_spec.importlib.util.find_spec
+    monkeypatch.setattr(model_spec.importlib.util, "find_spec",
+                        lambda m: object() if m in ("gguf", "accelerate") else real_find_spec(m))
+
+    def reader(src, folder):
+        __import__("struct").unpack_from("<IQ", b"GGUF", 4)  # what gguf's reader meets at a file's end
+
+    monkeypatch.setattr(model_spec, "_convert_gguf", reader)
+    with pytest.raises(ConfigError, match=rf"--model {gguf}: could not convert it from GGUF: .*cut\.gguf is cut "
+                                          r"short or damaged: unpack_from requires a buffer"):
+        check_config(parse_args(["--model", str(gguf)]))
+
+
 def test_unset_prompt_settings_come_from_the_run(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoint" / "policy").mkdir(parents=True)
