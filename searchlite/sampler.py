@@ -53,10 +53,8 @@ class _StopRecorder:
     really sampled, which is how its continuation is cut without guessing from pad ids.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: list[int], batch: int, prompt_len: int):
-        from transformers.generation.stopping_criteria import StopStringCriteria
-
-        self.strings = StopStringCriteria(tokenizer, list(stop)) if stop else None
+    def __init__(self, tokenizer, stop: tuple[str, ...], strings, eos_ids: list[int], batch: int, prompt_len: int):
+        self.strings = strings  # transformers' StopStringCriteria for `stop` (None: no stop string)
         self.tokenizer, self.stop = tokenizer, stop
         self.eos = torch.tensor(eos_ids)
         self.prompt_len = prompt_len
@@ -102,9 +100,13 @@ class HFSampler:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.seed, self.calls, self.batch_size = seed, 0, batch_size
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
-            else tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        # EOS is the generation config's and the tokenizer's, as vLLM stops on both: a checkpoint whose
+        # generation_config.json names another EOS than its tokenizer's (another --tokenizer) ends turns alike
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_ids:
+            self.eos_ids.append(tokenizer.eos_token_id)
+        self.stop_criteria = {}  # stop strings -> StopStringCriteria: building one reads the whole vocabulary
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         # the positions the model knows, vLLM's max_model_len: a row's prompt + new tokens stop there
         self.max_model_len = getattr(_transformers_model(model).config, "max_position_embeddings", None)
@@ -167,7 +169,12 @@ class HFSampler:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
-        recorder = _StopRecorder(self.tokenizer, stop, self.eos_ids, len(prompts), width)
+        if stop and tuple(stop) not in self.stop_criteria:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            self.stop_criteria[tuple(stop)] = StopStringCriteria(self.tokenizer, list(stop))
+        recorder = _StopRecorder(self.tokenizer, stop, self.stop_criteria.get(tuple(stop)), self.eos_ids, len(prompts),
+                                 width)
         hf = _transformers_model(self.model)
         was_training, saved = self.model.training, hf.generation_config
         self.model.eval()

@@ -310,3 +310,39 @@ def test_a_sampled_eos_is_trained_on_and_the_padding_after_it_is_not(byte_tokeni
     assert ro.input_ids[1, p:n[1]].tolist() == first + message + second
     assert ro.loss_mask[1, p:].tolist() == [1] * len(first) + [0] * len(message) + [1] * len(second) + \
         [0] * (ro.input_ids.shape[1] - n[1])
+
+
+def test_hf_sampler_stops_on_the_tokenizers_eos_as_vllm_does():
+    """A checkpoint whose generation_config.json names another EOS than its tokenizer's: vLLM stops
+    on both, HFSampler stopped on the generation config's alone and sampled on past the tokenizer's."""
+    from conftest import make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    model = make_tiny_llama(tok, seed=5)
+    prompt = tok.encode("a much longer prompt", add_special_tokens=False)
+    free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate([prompt])[0]  # sampled: greedy repeats one
+    end = next(i for i, t in enumerate(free) if t not in free[:i] and i >= 2)  # a token first sampled there
+    model.generation_config.eos_token_id = next(t for t in range(256) if t not in free)
+    tok.eos_token = tok.convert_ids_to_tokens(free[end])
+    assert HFSampler(model, tok, max_new_tokens=12, seed=3).generate([prompt])[0] == free[:end + 1]
+
+
+def test_hf_sampler_builds_its_stop_string_check_once(byte_tokenizer, monkeypatch):
+    """transformers' StopStringCriteria reads the whole vocabulary when built (0.5 s of a 1.4 s
+    call with a 49k vocabulary): it was built again for every turn and every gen_batch_size chunk."""
+    from transformers.generation import stopping_criteria
+
+    built = []
+
+    class Counted(stopping_criteria.StopStringCriteria):
+        def __init__(self, tokenizer, stop_strings):
+            built.append(stop_strings)
+            super().__init__(tokenizer, stop_strings)
+
+    monkeypatch.setattr(stopping_criteria, "StopStringCriteria", Counted)
+    sampler = HFSampler(make_tiny_llama(byte_tokenizer, seed=5), byte_tokenizer, max_new_tokens=4, batch_size=1)
+    prompts = [byte_tokenizer.encode(t, add_special_tokens=False) for t in ("one prompt", "another")]
+    for _ in range(2):
+        sampler.generate(prompts, stop=("</search>", "</answer>"))
+    sampler.generate(prompts, stop=("\nQuestion:",))
+    assert built == [["</search>", "</answer>"], ["\nQuestion:"]]
