@@ -151,6 +151,8 @@ def extract_answer(method: str, text: str) -> str | None:
 
 # Evaluation stops a turn where the model starts a question of its own, as the prompts' examples
 # invite ("Question: ..."): no step of this trajectory. evaluate.py, train.py's evaluation and view alike.
+# A turn that opens with "Question:" after passages or a prompt ending in a newline stops there too
+# (rollout._cut_line_start).
 QUESTION_STOP = ("\nQuestion:",)
 
 

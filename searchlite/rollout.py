@@ -79,6 +79,7 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
     # a trajectory ends at max_len, or where the sampler's model runs out of positions (vLLM's
     # max_model_len; HFSampler's model's max_position_embeddings), whichever comes first
     max_len = min(max_len, getattr(sampler, "max_model_len", None) or max_len)
+    line_starts = [s[1:] for s in protocol.stop if s.startswith("\n") and len(s) > 1]  # see _cut_line_start
     room = lambda i: max_len - len(prompts[i]) - len(resp[i])  # noqa: E731  tokens left to trajectory i
     active = [i for i in range(n) if room(i) > 0]
     if len(active) < n:
@@ -93,6 +94,8 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
         queries, searchers, still = [], [], []
         for i, out in zip(active, outs):
             out = out[:room(i)]  # a turn that runs past max_len is cut there
+            if line_starts:
+                out = _cut_line_start(out, prompts[i] + resp[i], line_starts, tokenizer)
             resp[i] += out
             mask[i] += [1] * len(out)
             turns[i] += 1
@@ -124,6 +127,21 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
     if bar is not None:
         bar.close()
     return _collate(prompts, resp, mask, searches, turns, answers, docs, tokenizer)
+
+
+def _cut_line_start(out: list[int], context: list[int], starts: list[str], tokenizer) -> list[int]:
+    """`out` cut just past a stop string that begins with a newline ("\nQuestion:") when the turn
+    opens a line with the rest of it: after a prompt, passages or a message that end in "\n", the
+    samplers (which count a stop only inside the sampled text) miss it, and a search in the
+    question the model made up would run. A turn that opens otherwise is returned as it is."""
+    if not context or not tokenizer.decode(context[-1:], skip_special_tokens=False).endswith("\n"):
+        return out
+    text = tokenizer.decode(out, skip_special_tokens=False)
+    for start in starts:
+        if text.startswith(start):
+            return next(out[:k] for k in range(1, len(out) + 1)
+                        if tokenizer.decode(out[:k], skip_special_tokens=False).startswith(start))
+    return out
 
 
 def _bar(progress: bool, total: int):

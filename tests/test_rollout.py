@@ -346,3 +346,22 @@ def test_hf_sampler_builds_its_stop_string_check_once(byte_tokenizer, monkeypatc
         sampler.generate(prompts, stop=("</search>", "</answer>"))
     sampler.generate(prompts, stop=("\nQuestion:",))
     assert built == [["</search>", "</answer>"], ["\nQuestion:"]]
+
+
+def test_a_turn_opening_with_a_newline_stop_after_a_newline_is_cut_there(byte_tokenizer):
+    """"\nQuestion:" stops a turn only inside the sampled text: a turn that opened with "Question:"
+    right after the passages' closing "\n" ran the search of the question the model made up."""
+    import dataclasses
+
+    tok = byte_tokenizer
+    scripts = {"q-made-up": ["<search> first </search>", "Question: who else?\n<search> made up </search>",
+                             "<answer> Paris </answer>"],
+               "q-mid-line": ["<search> Question: a title </search>", "<answer> Lyon </answer>"]}
+    protocol = dataclasses.replace(P, stop=P.stop + ("\nQuestion:",))
+    retriever = FakeRetriever()
+    ro = rollout(ScriptedSampler(tok, scripts), retriever, tok, protocol, list(scripts), topk=1, max_turns=3)
+    assert retriever.calls == [["first", "Question: a title"]]  # "made up" never searched
+    assert "</information>\nQuestion:\nMy previous action is invalid" in ro.responses[0]
+    assert ro.answers == ["Paris", "Lyon"] and ro.searches.tolist() == [1, 1]
+    plain = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, P, list(scripts), topk=1, max_turns=3)
+    assert plain.searches.tolist() == [2, 1]  # a protocol without it: the turn is the model's
