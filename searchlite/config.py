@@ -76,7 +76,7 @@ class Config:
     template: str = "toy"  # prompt template: a file with {question}, or a set name (toy = templates/toy_<protocol>.txt); empty = the paper's
     max_turns: int = 4  # search budget; one more turn without search then forces an answer
     max_new_tokens: int = 500  # tokens generated per turn
-    max_obs_tokens: int = 500  # retrieved-passage tokens appended per search (truncated beyond)
+    max_obs_tokens: int = 500  # retrieved-passage tokens appended per search, the result tags included (passages truncated beyond; the tags are always kept)
     max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends there, answered or not (Search-R1 keeps its last 4096 tokens and goes on), or at the model's context
     temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts

@@ -120,7 +120,8 @@ class Protocol:
         """Token ids of a search result block, passages cut to fit `max_tokens` in total.
 
         Tokenised once here and appended as ids; the closing tag always survives the cut (Search-R1's
-        `_process_next_obs` cuts the whole block, so an overlong one loses its closing tag).
+        `_process_next_obs` cuts the whole block, so an overlong one loses its closing tag), and so does
+        the opening one: a `max_tokens` smaller than the two tags gives the tags alone, longer than it.
         """
         head = tokenizer.encode(f"\n{self.info_open}", add_special_tokens=False)
         tail = tokenizer.encode(f"{self.info_close}\n", add_special_tokens=False)
