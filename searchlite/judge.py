@@ -51,13 +51,13 @@ _LEAD = re.compile(r"\W*" + _NOT + _WORD, re.I)
 _TRUE_FALSE = re.compile(_NOT + _WORD, re.I)
 _FIRST_WORD = re.compile(r"\W*" + _NOT + r"\b(correct|right|yes|incorrect|wrong|no)\b", re.I)
 _OPENING_WORD = re.compile(_FIRST_WORD.pattern + r"(?=[\s*_]*(?:[.,:;!)\n]|$))", re.I)  # "No." not "No doubt"
-# the last resort, a first word with words after it ("Correct because ...", "Wrong answer."), but not a
-# "correct"/"right"/"yes" that opens a noun phrase going on ("Correct answer: Lyon", "Right answer would
-# be") or a hedge ("Yes and no"), nor "No doubt"
 # a sentence that calls the prediction right or wrong, when there is no true/false: "The prediction
 # is correct.", "It is not correct.", "The answer's wrong"
 _IS_WORD = re.compile(r"\b(?:prediction|answer|response|it|this|that)(?:[\s*_]+(?:is|was)|'s)[\s*_]*" + _NOT
                       + r"\b(correct|right|incorrect|wrong)\b", re.I)
+# the last resort, a first word with words after it ("Correct because ...", "Wrong answer."), but not a
+# "correct"/"right"/"yes" that opens a noun phrase going on ("Correct answer: Lyon", "Right answer would
+# be") or a hedge ("Yes and no"), nor "No doubt"
 _NOT_ALONE = re.compile(r"(?:correct|right|yes)[\s*_]+(?:(?:answers?|responses?|ones?)\b(?![\s*_]*(?:[.!]|$))|"
                         r"(?:and|or|but)\b)|no[\s*_]+doubt\b", re.I)
 
@@ -85,10 +85,10 @@ def verdict(reply: str) -> bool | None:
     Otherwise the verdict is its last "true" or "false", where a judge that explains first ends,
     failing that its last sentence calling the prediction right or wrong ("The prediction is
     correct.", "It is not correct."), and failing that its first word ("Correct because ..."),
-    unless that word opens a noun phrase
-    or a hedge ("Correct answer: Lyon", "Yes and no": no verdict). A "not" before the word flips it, a hedge ("partially",
-    "mostly", ...) makes it False, and "true" before answer, gold or value is no verdict. Only
-    the prompt's words count there ("False. The correct answer is Lyon" is False).
+    unless that word opens a noun phrase or a hedge ("Correct answer: Lyon", "Yes and no": no
+    verdict). A "not" before the word flips it, a hedge ("partially", "mostly", ...) makes it
+    False, and "true" before answer, gold or value is no verdict. Only the prompt's words count
+    there ("False. The correct answer is Lyon" is False).
 
     >>> verdict("True."), verdict("Not true."), verdict("True/False: **False**"), verdict("Yes")
     (True, False, False, True)
