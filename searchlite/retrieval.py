@@ -352,6 +352,11 @@ class DenseRetriever(Retriever):
         elif isinstance(index, (str, os.PathLike)):
             if not os.path.isfile(index):
                 raise FileNotFoundError(f"no FAISS index file at {index}")
+            if query_prefix is None and (dq, dp) == ("", ""):  # a file keeps no prefixes: the name is all we go by
+                warnings.warn(f"encoder {self.text_encoder.name}: its name says neither E5 nor BGE, so queries are "
+                              f"encoded with no prefix; the passage vectors in {index} may want one (Search-R1's "
+                              "e5_Flat.index: 'query: '): give the encoder under a name with e5 in it, or serve "
+                              "it with `retrieve.py serve --query_prefix 'query: '`", stacklevel=2)
             index = faiss.read_index(str(index), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if index.ntotal != len(self.passages):
             raise ValueError(f"index holds {index.ntotal} vectors but the corpus has {len(self.passages)} passages: a "

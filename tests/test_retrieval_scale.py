@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -477,8 +478,12 @@ def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_
     unnamed.symlink_to(encoder, target_is_directory=True)
     flags = dict(url=None, corpus=str(corpus), kind="dense", device="cpu", mmap=False, pooling="mean",
                  index=str(tmp_path / "e5_Flat.index"), encoder=str(unnamed))
-    assert retrieve.make(argparse.Namespace(**flags, query_prefix=None)).query_prefix == ""
-    r = retrieve.make(argparse.Namespace(**flags, query_prefix="query: "))
+    with pytest.warns(UserWarning, match="neither E5 nor BGE.*--query_prefix 'query: '"):
+        assert retrieve.make(argparse.Namespace(**flags, query_prefix=None)).query_prefix == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a prefix given, or an E5 name, is not warned of
+        r = retrieve.make(argparse.Namespace(**flags, query_prefix="query: "))
+        build_retriever("dense", str(corpus), encoder=encoder, index=str(tmp_path / "e5_Flat.index"))
     for row, hits in zip(expected, r.search(QUERIES, 3)):
         assert [h.score for h in hits] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-5)
 
