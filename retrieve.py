@@ -40,7 +40,7 @@ def make(args):
         kw = dense_kw if index_kind(args.index) == "dense" else {}
         if kw and args.encoder:
             kw["encoder"] = args.encoder
-        if kw and args.pooling != "mean":  # the default: the folder's pooling
+        if kw and args.pooling is not None:  # not given: the folder's pooling
             kw["pooling"] = args.pooling
         return load_index(args.index, corpus, kind=kind, **kw)
     if args.index and not os.path.exists(args.index):
@@ -55,7 +55,7 @@ def make(args):
         raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
                          "retrieve.py build wrote)")
     return build_retriever(kind, corpus or resolve_path("toy/corpus.jsonl"), encoder=args.encoder,
-                           pooling=args.pooling, index=args.index, **(dense_kw if kind == "dense" else {}))
+                           pooling=args.pooling or "mean", index=args.index, **(dense_kw if kind == "dense" else {}))
 
 
 def build(args) -> None:
@@ -66,7 +66,8 @@ def build(args) -> None:
     if kind == "dense":
         if not args.encoder:
             sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
-        r = build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling, query_prefix=args.query_prefix,
+        r = build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling or "mean",
+                               query_prefix=args.query_prefix,
                                passage_prefix=args.passage_prefix, faiss_index=args.faiss,
                                search_params=args.search_params, shard_size=args.shard_size,
                                batch_size=args.batch_size, max_length=args.max_length, device=args.device,
@@ -101,7 +102,8 @@ def main(argv=None) -> None:
               "e5_Flat.index")
             a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
-        a("--pooling", default="mean", choices=["mean", "cls"], help="dense: pooling (default mean, as E5; BGE takes cls)")
+        a("--pooling", default=None, choices=["mean", "cls"], help="dense: pooling (default: " + (
+          "" if name == "build" else "an index folder's, else ") + "mean, as E5; BGE takes cls)")
         a("--device", default="cpu", help="dense: torch device of the encoder")
         a("--query_prefix", default=None, help="dense: text before each query (default: " + (
           "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")

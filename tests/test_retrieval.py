@@ -477,3 +477,19 @@ def test_a_faiss_file_over_another_corpus_says_which_corpus_to_give(dense, encod
                                          r"file goes with the corpus it was built over \(--corpus"):
         build_retriever("dense", CORPUS[:3], encoder=str(encoder_dir / "tiny-bert"),
                         index=str(tmp_path / "idx" / "index.faiss"))
+
+
+def test_retrieve_cli_pooling_defaults_to_the_index_folders(encoder_dir, tmp_path, capsys):
+    """`retrieve.py query --pooling` defaulted to mean, and mean was taken to mean "the folder's":
+    on a folder of cls-pooled vectors, --pooling mean typed out was dropped without a word."""
+    import retrieve
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in CORPUS))
+    DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), pooling="cls", batch_size=3, max_length=48).save(
+        tmp_path / "cls")
+    index = ["--index", str(tmp_path / "cls"), "--corpus", str(corpus)]
+    retrieve.main(["query", *index, "Paris"])  # not given: the folder's pooling
+    assert "Paris" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"pooling 'mean': index .*cls holds cls-pooled"):
+        retrieve.main(["query", *index, "--pooling", "mean", "Paris"])
