@@ -326,8 +326,8 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         from_preset.pop("retriever", None)
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
-    if not cfg.out_dir:
-        cfg.out_dir = f"runs/{preset}-{cfg.algo}"
+    if not cfg.out_dir:  # a program that reads no --algo (stage 1) names its folder after the preset alone
+        cfg.out_dir = f"runs/{preset}-{cfg.algo}" if not reads or "algo" in reads else f"runs/{preset}"
     if defaulted and preset.startswith("toy") and not _toy_shaped(cfg.model):
         kept = [f"{k} {getattr(cfg, k)!r}" for k in ("lr", "temperature", "template", "max_new_tokens") if k in from_preset]
         print(f"note: no --preset: [{preset}], made for the toy world's tiny model, sets {', '.join(kept) or 'the rest'}"

@@ -240,7 +240,7 @@ STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites"
                  "grad_checkpointing", "master_weights")  # what stage 1 reads
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
-               "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>-<algo>",
+               "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>",
     "batch_size": "questions per rejection-sampling round (each round is appended to rejection_sampling.jsonl)",
     "group": "trajectories sampled per question; the correct, well-formed ones are kept",
     "micro_batch_size": "trajectories per SFT forward/backward (gradient accumulation within --sft_batch_size; "

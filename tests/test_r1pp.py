@@ -614,3 +614,12 @@ def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
 def test_unknown_reward_exits():
     with pytest.raises(SystemExit, match="--reward 'f1': not one of em, r1pp"):
         train.main(["--reward", "f1"])
+
+
+def test_stage1_folder_is_named_after_its_preset_alone():
+    """Stage 1 reads no --algo, yet its default folder was runs/<preset>-grpo, the --algo default."""
+    from searchlite.config import parse_args
+    from searchlite.r1pp import STAGE1_FIELDS
+
+    assert parse_args(["--preset", "none"], reads=STAGE1_FIELDS).out_dir == "runs/none"
+    assert parse_args(["--preset", "none", "--algo", "ppo"]).out_dir == "runs/none-ppo"  # train.py's
