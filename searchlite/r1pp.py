@@ -453,7 +453,9 @@ def _stage1(cfg) -> Path:
                      lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, micro_batch_size=cfg.micro_batch_size,
                      weight_decay=cfg.weight_decay,
                      grad_clip=cfg.grad_clip, seed=cfg.seed, state_path=out / "sft_state.pt", stop=stop,
-                     run={"dtype": cfg.dtype, "master_weights": cfg.master_weights})  # the saved weights' form
+                     run={"dtype": cfg.dtype, "master_weights": cfg.master_weights},  # the saved weights' form
+                     flags={"lr": "--sft_lr", "batch_size": "--sft_batch_size", "epochs": "--sft_epochs",
+                            **{k: f"--{k}" for k in ("seed", "weight_decay", "grad_clip", "dtype", "master_weights")}})
     stop.exit_if_requested(f"stopped after SFT step {len(losses)}, its state saved in {out / 'sft_state.pt'}: "
                            "rerun the same command with --resume to continue")
     model.save_pretrained(out / "model")

@@ -56,14 +56,16 @@ def length_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator,
 def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr: float = 1e-3,
         batch_size: int = 32, micro_batch_size: int = 0, warmup: int = 20, weight_decay: float = 0.0,
         grad_clip: float = 1.0, seed: int = 0, progress: bool = True, state_path=None, stop=None,
-        run: dict | None = None) -> list[float]:
+        run: dict | None = None, flags: dict | None = None) -> list[float]:
     """Train `model` in place on the (N, T) rows; returns the loss of every step so far.
 
     With `state_path`, the training state (weights, optimizer, schedule, step, losses, RNG) is
     saved there at the end of each epoch and when `stop.requested` turns true (a GracefulStop:
     the step finishes, is saved, and sft returns early); a call that finds a state there starts
     after its last step, and ends as an uninterrupted call would. `run`: the caller's settings
-    that a resume must share too (flags that change the rows or the result), checked with sft's own."""
+    that a resume must share too (flags that change the rows or the result), checked with sft's own;
+    `flags`: the caller's flag for each of sft's own settings that it sets otherwise (lr: --sft_lr),
+    named where a resume is refused, None for one it derives from a flag in `run`."""
     n = input_ids.shape[0]
     if n == 0:
         raise ValueError("sft: no rows to train on")
@@ -85,7 +87,7 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
                     weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, **(run or {}))  # continues one run
     losses = []
     if state_path is not None and Path(state_path).exists():
-        losses = load_state(state_path, model, opt, sched, settings)
+        losses = load_state(state_path, model, opt, sched, settings, flags)
     done = len(losses)  # steps taken before a resume
     model.train()
     bar = tqdm(total=steps, initial=done, desc="sft", disable=not progress)
@@ -126,14 +128,19 @@ def save_state(path, model, opt, sched, losses: list[float], settings: dict) -> 
     write_durably(path, lambda f: torch.save(state, f))
 
 
-def load_state(path, model, opt, sched, settings: dict) -> list[float]:
-    """Restore what `save_state` wrote; a ConfigError if it was saved by an SFT with other settings."""
+def load_state(path, model, opt, sched, settings: dict, flags: dict | None = None) -> list[float]:
+    """Restore what `save_state` wrote; a ConfigError if it was saved by an SFT with other settings,
+    each named by its flag (`flags`: sft's names to the caller's; the rows' count and hash as such)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
-    changed = [f"{k} = {v}, this one has {k} = {settings.get(k)}" for k, v in state["settings"].items()
-               if settings.get(k) != v]
-    if changed:
-        raise ConfigError(f"{path}: saved by a run with {'; '.join(changed)}; resume with its settings, or rerun "
-                          "without --resume to start over")
+    keys = [k for k, v in state["settings"].items() if settings.get(k) != v]
+    names = {"rows": None, "data": None} | (flags or {})
+    changed = [f"{names.get(k, k)} = {state['settings'][k]}, this one has {settings.get(k)}" for k in keys
+               if names.get(k, k) is not None]
+    if {"rows", "data"} & set(keys):  # built from other data, or with a flag that shapes the rows
+        changed.append("other rows to train on")
+    if keys:
+        raise ConfigError(f"{path}: saved by a run with {'; '.join(changed) or 'other settings'}; resume with its "
+                          "settings, or rerun without --resume to start over")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     sched.load_state_dict(state["sched"])

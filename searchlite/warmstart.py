@@ -144,7 +144,7 @@ def build(args) -> None:
             path.unlink(missing_ok=True)
     seed = args.seed * 1000
     # the flags a resumed phase must share besides sft's own: they change its rows (--threads: its bytes)
-    run = {f"--{k}": vars(args)[k] for k in ("questions", "famous_repeats", "read_passes", "epochs", "threads")}
+    run = {f"--{k}": vars(args)[k] for k in ("seed", "questions", "famous_repeats", "read_passes", "epochs", "threads")}
     with GracefulStop() as stop:  # Ctrl-C: the SFT step finishes, the phase's state is saved, the build stops
         for k, (name, passes, teacher) in enumerate(phases):
             if not passes:
@@ -156,7 +156,8 @@ def build(args) -> None:
                   f"({int(loss_mask.sum())} trained on)", flush=True)
             losses = sft(model, input_ids, loss_mask, attention_mask=attention_mask, epochs=1, lr=args.lr,
                          batch_size=args.batch_size, warmup=50, seed=args.seed + k, state_path=states[name],
-                         stop=stop, run=run)
+                         stop=stop, run=run, flags={"lr": "--lr", "batch_size": "--batch_size",
+                                                    "seed": None})  # the phase's seed: --seed + its number
             if stop.requested:
                 break
     stop.exit_if_requested(f"stopped after step {len(losses)} of the {name} phase, its state saved in "

@@ -515,9 +515,13 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
     assert stopped.value.code == 130  # 128 + SIGINT, as train.py
     assert re.search(r"stopped after SFT step 2, its state saved in .*sft_state.pt: rerun", capsys.readouterr().out)
     assert (part / "sft_state.pt").exists() and not (part / "model").exists()
-    with pytest.raises(SystemExit, match=r"sft_state.pt: saved by a run with master_weights = True, this one has "
-                                         r"master_weights = False"):  # its weights would go on in another form
+    with pytest.raises(SystemExit, match=r"sft_state.pt: saved by a run with --master_weights = True, this one has "
+                                         r"False; resume"):  # its weights would go on in another form
         r1pp.main([*flags, "--out_dir", str(part), "--resume", "--master_weights", "false"])
+    # named by stage 1's flag: --batch_size is the questions of a sampling round, which the sampling log keeps
+    with pytest.raises(SystemExit, match=r"sft_state.pt: saved by a run with --sft_batch_size = 4, this one has 2; "
+                                         r"resume with its settings"):
+        r1pp.main([*flags, "--out_dir", str(part), "--resume", "--sft_batch_size", "2"])
     r1pp.main([*flags, "--out_dir", str(part), "--resume"])
     assert ctrl_c.calls == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice
     a, b = (load_file(run / "model" / "model.safetensors") for run in (tmp_path / "whole", part))

@@ -73,12 +73,19 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
     ids, mask, attention = rows(byte_tokenizer, n=4)
     kw = dict(attention_mask=attention, batch_size=2, progress=False, state_path=tmp_path / "s.pt")
     sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-2, **kw)
-    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with lr = 0.01, this one has lr = 0.001; resume with"):
+    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with lr = 0.01, this one has 0.001; resume with"):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw)
     other = ids.clone()
     other[0, 1] += 1  # the same number of rows, other data
-    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with data = \w+, this one has data = \w+"):
+    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with other rows to train on; resume with"):
         sft(make_tiny_llama(byte_tokenizer), other, mask, lr=1e-2, **kw)
+    # named by the caller's flags: stage 1's --sft_batch_size, not its --batch_size (questions a sampling round)
+    with pytest.raises(ConfigError, match=r"with --sft_lr = 0.01, this one has 0.001; resume with"):
+        sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw, flags={"lr": "--sft_lr"})
+    kw |= dict(state_path=tmp_path / "warm.pt", flags={"seed": None})  # warmstart: phase k's seed is --seed + k
+    sft(make_tiny_llama(byte_tokenizer), ids, mask, seed=1, run={"--seed": 0}, **kw)
+    with pytest.raises(ConfigError, match=r"warm.pt: saved by a run with --seed = 0, this one has 1; resume with"):
+        sft(make_tiny_llama(byte_tokenizer), ids, mask, seed=2, run={"--seed": 1}, **kw)
 
 
 def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch):

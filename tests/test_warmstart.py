@@ -81,7 +81,7 @@ def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp
         warmstart.main(["--out", str(tmp_path), *small])
     assert stopped.value.code == 130 and "of the imperfect phase" in capsys.readouterr().out
     ctrl_c.at = 0
-    with pytest.raises(SystemExit, match=r"--questions = 10, this one has --questions = 12; "
+    with pytest.raises(SystemExit, match=r"--questions = 10, this one has 12; other rows to train on; "
                                          r"resume with its settings, or rerun without --resume"):
         warmstart.main(["--out", str(tmp_path), *small, "--questions", "12", "--resume"])
     warmstart.main(["--out", str(tmp_path), *small, "--resume"])
