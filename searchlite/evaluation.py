@@ -13,8 +13,9 @@ Methods, all on the same retriever, top-k and model (Search-R1 §4.2's baselines
 - `search`: the multi-turn agent loop of rollout.py under either protocol. For an untrained
   instruct model under the paper's template this is the prompted, Search-o1-like baseline.
 A baseline's answer is the text inside `<answer>` tags when the model wrote them, else the
-first line it wrote, less an `<answer>` that opens it (direct, rag), or what follows the last
-"the answer is" (cot; none: no answer).
+first line it wrote, less an "Answer:" label (bold or not) or an `<answer>` that opens it
+(direct, rag), or what follows the last "the answer is" (cot; none: no answer); a `\boxed{}`
+is read for its content, and a question the model starts of its own ("Question:") is no part of it.
 
 Per question (rewards.py): `em`, `f1`, `cover_em` (R1-Searcher++'s ACC_R: a gold answer within
 the prediction, however long; the training reward's 10-word cap is not applied), `searches`
@@ -43,14 +44,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .data import append_log, read_log, write_durably
-from .protocol import TEMPLATE_DIR
+from .protocol import TEMPLATE_DIR, _last_boxed
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
 
 METHODS = ("direct", "cot", "rag", "search")
 # What scoring a record means, kept in a run's settings: records scored otherwise are not mixed in on a resume.
 SCORING = ("cover-EM without a word cap, punctuation deleted or spaced; a baseline's unclosed <answer> stripped; "
-           "\\boxed{} style wrappers and LaTeX spaces read as text")
+           "\\boxed{} style wrappers and LaTeX spaces read as text; a baseline's answer before a question of its "
+           "own, after the last 'the answer is' (cot) or a bold label, \\boxed{} unwrapped")
 SAVE_EVERY = 60.0  # seconds between saves of re-judged records (each rewrites records.jsonl)
 METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")  # (+ "judge" when every record has one)
 PLACEHOLDERS = {"direct": ("{question}",), "cot": ("{question}",), "rag": ("{question}", "{documents}")}
@@ -109,10 +111,12 @@ def fill(template: str, **values: str) -> str:
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-_ANSWER_IS = re.compile(r"answer is\s*:?[ \t]*", re.I)
-# what may open a direct or rag reply before its answer: a label, and an <answer> whose </answer>
-# never came (answer_tokens ran out, or the generation stopped at "\nQuestion:")
-_LEAD = re.compile(r"^\s*((final )?answer\s*:\s*)?(<answer>)?", re.I)
+_ANSWER_IS = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b(?!n't)\s*:?[ \t]*", re.I)  # not "This answer is"
+# what may open a direct or rag reply before its answer: a label, Markdown bold or not, and an
+# <answer> whose </answer> never came (answer_tokens ran out, or the generation stopped at "\nQuestion:")
+_LEAD = re.compile(r"^\s*([*_]*(final\s+)?answer[*_]*\s*:[*_]*\s*)?(<answer>)?", re.I)
+# a question the model starts of its own (the stop string is kept in the output): no part of the answer
+_OWN_QUESTION = re.compile(r"(?:^|\n)[ \t]*Question:")
 
 
 def extract_answer(method: str, text: str) -> str | None:
@@ -130,7 +134,14 @@ def extract_answer(method: str, text: str) -> str | None:
     ('Paris', 'Paris')
     >>> extract_answer("direct", "<answer> Paris")
     'Paris'
+    >>> extract_answer("cot", "So the answer is: Paris.\\nThis answer is right.")  # the last "the answer is"
+    'Paris'
+    >>> extract_answer("direct", "**Answer:** Paris"), extract_answer("cot", "The final answer is $\\\\boxed{Paris}$")
+    ('Paris', 'Paris')
+    >>> extract_answer("direct", "Answer:\\n\\nQuestion:") is None  # the stop string of a question of its own
+    True
     """
+    text = _OWN_QUESTION.split(text, maxsplit=1)[0]
     tag = _ANSWER_TAG.search(text)
     if tag:
         answer = tag.group(1).strip()
@@ -143,7 +154,9 @@ def extract_answer(method: str, text: str) -> str | None:
     else:  # the label may stand on a line of its own
         lines = [line.strip() for line in _LEAD.sub("", text, count=1).splitlines()]
         answer = next((line for line in lines if line), "")
-    return answer or None
+    if "\\boxed{" in answer:  # a model trained on math answers in LaTeX
+        answer = _last_boxed(answer)[1] or answer
+    return answer.strip() or None
 
 
 # ---------------------------------------------------------------------------- methods

@@ -1125,3 +1125,18 @@ def test_a_folder_made_with_other_pooling_is_not_resumed(world, tmp_path):
     run.write_text(json.dumps({k: v for k, v in saved.items() if k != "pooling"}))  # before --pooling
     evaluate.main([*args, "--limit", "2"])
     assert json.loads(run.read_text())["pooling"] == "mean"
+
+
+def test_baseline_answers_read_past_labels_and_own_questions(tok):
+    """The samplers keep the stop string: a model that wrote nothing before a question of its own
+    was recorded as answering "Question:"; cot read "This answer is ..." after its answer as the
+    answer; a bold label stayed in a direct answer, which scored 0."""
+    replies = {"q1": "\nQuestion:", "q2": "**Answer:** Paris", "q3": "So the answer is: Paris.\nThis answer is sure.",
+               "q4": "The final answer is $\\boxed{Paris}$."}
+    questions = qa(*((q, ["Paris"]) for q in replies))
+    direct = run_batch("direct", questions[:2], ScriptedSampler(tok, replies), None, tok, P, chat_template=False)
+    assert [(r["prediction"], r["answered"], r["em"]) for r in direct] == [(None, 0.0, 0.0), ("Paris", 1.0, 1.0)]
+    assert direct[0]["trajectory"].endswith("Question:")  # the trajectory keeps all the model wrote
+    cot = run_batch("cot", [questions[0], *questions[2:]], ScriptedSampler(tok, replies), None, tok, P,
+                    chat_template=False)
+    assert [(r["prediction"], r["em"]) for r in cot] == [(None, 0.0), ("Paris", 1.0), ("Paris", 1.0)]
