@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import random
+import re
 import shutil
 import signal
 import sys
@@ -441,6 +442,9 @@ def train(argv, held: contextlib.ExitStack) -> None:
         # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
         write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
+        for path in [*out.glob("eval/step_*.jsonl"), *out.glob("trajectories/step*.html")]:  # and so do these:
+            if int(re.match(r"step_?(\d+)", path.name)[1]) > start:  # steps past it were another run's policy
+                path.unlink()
     metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None
     if first_eval is not None:
         save_eval(0, first_eval[1])

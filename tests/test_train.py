@@ -763,3 +763,16 @@ def test_train_scores_the_old_policy_only_when_it_must(tiny_model, tmp_path, var
     monkeypatch.setattr(train, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
     train.main(args(tiny_model, tmp_path / algo, algo, steps=1, extra=("--eval_every", "0")))
     assert len(calls) == passes
+
+
+def test_a_resume_drops_evaluations_and_trajectories_past_its_checkpoint(tiny_model, tmp_path):
+    """A run killed after step 3 with its checkpoint at step 2 left eval/step_000003.jsonl and its
+    trajectories beside the resumed run's, and bench/r1pp_table.py read the last eval file as the
+    run's latest evaluation: of a policy the resumed run never trained."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo"))
+    (out / "eval" / "step_000003.jsonl").write_text("{}\n")  # the killed run's, after its last checkpoint
+    (out / "trajectories" / "step00003-memorization.html").write_text("<html></html>")
+    train.main(args(tiny_model, out, "grpo", extra=["--resume"]))  # at its --steps already: trains nothing
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_000000.jsonl", "step_000002.jsonl"]
+    assert sorted(p.name for p in (out / "trajectories").iterdir()) == ["step00001.html", "step00002.html"]
