@@ -31,14 +31,14 @@ judge needs a larger --judge_max_tokens); a rerun with another judge model, endp
 --judge_max_tokens judges the finished questions again.
 
 Writes to --out: records.jsonl (each finished batch of --batch_size questions, appended as it
-finishes), run.json
-(the settings), results.json (metrics per dataset and method, averages, every prediction and
-trajectory) and table.md (the Markdown table, also printed). Rerunning the same command
-continues an interrupted run: questions already in records.jsonl are not run again. A rerun whose settings or
-inputs changed is refused: the model's weight files, the corpus, the --index (an index folder's
-bm25.json or dense.json by its text) and a local --encoder folder's files are compared by size
-and modification time, each QA file by its sha256. --overwrite starts over. One run at a time
-writes to a folder (a lock file, evaluate.lock; Linux and macOS): a second is refused.
+finishes), run.json (the settings), results.json (metrics per dataset and method, averages,
+every prediction and trajectory) and table.md (the Markdown table, also printed). Rerunning the
+same command continues an interrupted run: questions already in records.jsonl are not run
+again. A rerun whose settings or inputs changed is refused: the model's weight files, the
+corpus, the --index (an index folder's bm25.json or dense.json by its text) and a local
+--encoder folder's files are compared by size and modification time, each QA file by its
+sha256. --overwrite starts over. One run at a time writes to a folder (a lock file,
+evaluate.lock; Linux and macOS): a second is refused.
 """
 
 from __future__ import annotations
