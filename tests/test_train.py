@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import sys
 
@@ -776,3 +778,24 @@ def test_a_resume_drops_evaluations_and_trajectories_past_its_checkpoint(tiny_mo
     train.main(args(tiny_model, out, "grpo", extra=["--resume"]))  # at its --steps already: trains nothing
     assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_000000.jsonl", "step_000002.jsonl"]
     assert sorted(p.name for p in (out / "trajectories").iterdir()) == ["step00001.html", "step00002.html"]
+
+
+def test_a_resume_from_a_model_changed_since_is_refused(tiny_model, tmp_path, capsys):
+    """Stage 1 rerun into its folder replaced the model a stage-2 run started from, and --resume
+    took its KL reference (and rewrite model) from the new one without a word: kl jumped from
+    0.00 to 3.68. The checkpoint keeps a digest of the starting model's weight files."""
+    from safetensors.torch import load_file, save_file
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(tiny_model, model)
+    train.main(args(str(model), out, "grpo", steps=1))
+    shutil.copytree(model, tmp_path / "copy")  # copied back (new modification times): the same model
+    shutil.rmtree(model)
+    (tmp_path / "copy").rename(model)
+    train.main(args(str(model), out, "grpo", steps=2, extra=["--resume"]))
+    assert "resumed from" in capsys.readouterr().out
+    weights = load_file(model / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=rf"--resume: --model {re.escape(str(model))} is not the model .*checkpoint's "
+                                         r"run started from \(changed since: model.safetensors\); the KL reference"):
+        train.main(args(str(model), out, "grpo", steps=3, extra=["--resume"]))
