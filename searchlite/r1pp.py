@@ -386,7 +386,7 @@ def stage1(cfg) -> Path:
 
 
 def _stage1(cfg) -> Path:
-    from .config import format_config, resolve_path, save_config
+    from .config import ConfigError, format_config, resolve_path, save_config
     from .data import read_qa
     from .models import GracefulStop, load_policy, pick_device, reuse_freed_memory, run_tokenizer, set_aside
     from .protocol import get_protocol
@@ -400,6 +400,12 @@ def _stage1(cfg) -> Path:
                  "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
     out = Path(cfg.out_dir)
     if cfg.resume and (out / "stage1.json").exists():
+        done = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
+        changed = [f"{k} = {done[k]!r}, this run has {getattr(cfg, k)!r}" for k in STAGE1_FIELDS
+                   if k not in ("out_dir", "resume", "device") and k in done and done[k] != getattr(cfg, k)]
+        if changed:  # (bench/r1pp_ablation.sh resumes stage 1, then trains stage 2 on what it finds)
+            raise ConfigError(f"--resume: stage 1 in {out} finished with {'; '.join(changed)}; rerun without "
+                              "--resume to start over (the finished one is set aside), or with its settings")
         print(f"--resume: stage 1 already finished in {out} ({out / 'model'})", flush=True)
         return out / "model"
     print(f"config:\n{format_config(cfg)}", flush=True)

@@ -526,6 +526,13 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
     assert ctrl_c.calls == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice
     a, b = (load_file(run / "model" / "model.safetensors") for run in (tmp_path / "whole", part))
     assert all(torch.equal(a[k], b[k]) for k in a) and not (part / "sft_state.pt").exists()
+    # finished: --resume takes it as it is, only with its settings (bench/r1pp_ablation.sh trained stage 2 on
+    # a stage 1 of another --sft_epochs without a word)
+    r1pp.main([*flags, "--out_dir", str(part), "--resume"])
+    assert "stage 1 already finished" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--resume: stage 1 in .*part finished with sft_epochs = 2, this run has 3; "
+                                         r"rerun without --resume"):
+        r1pp.main([*flags, "--out_dir", str(part), "--resume", "--sft_epochs", "3"])
 
 
 def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
