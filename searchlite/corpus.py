@@ -175,8 +175,12 @@ class Corpus:
 
 
 def open_corpus(path, offsets=None):
-    """A corpus path as passages: a lazy `Corpus`, or a list for a gzipped file."""
-    return read_corpus(path) if os.fspath(path).endswith(".gz") else Corpus(path, offsets)
+    """A corpus path as passages: a lazy `Corpus`, or a list for a gzipped file; a DataError for
+    a file without one (which a retriever would refuse without naming it)."""
+    passages = read_corpus(path) if os.fspath(path).endswith(".gz") else Corpus(path, offsets)
+    if not len(passages):
+        raise DataError(f"{path}: no passages in the corpus file")
+    return passages
 
 
 def batches(passages, size: int, start: int = 0):

@@ -469,6 +469,7 @@ def test_pooling_other_than_the_index_folders_is_refused(dense, tmp_path):
         retrieve.main(["query", "--index", str(tmp_path / "idx"), "--pooling", "cls", "Paris"])
 
 
+@pytest.mark.filterwarnings("ignore:encoder .* neither E5 nor BGE")  # the warning of a FAISS file without a prefix
 def test_a_faiss_file_over_another_corpus_says_which_corpus_to_give(dense, encoder_dir, tmp_path):
     """train.py --index e5_Flat.index without --corpus read the toy corpus and said only 'index holds
     21015324 vectors but there are 450 passages'."""
@@ -493,3 +494,16 @@ def test_retrieve_cli_pooling_defaults_to_the_index_folders(encoder_dir, tmp_pat
     assert "Paris" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"pooling 'mean': index .*cls holds cls-pooled"):
         retrieve.main(["query", *index, "--pooling", "mean", "Paris"])
+
+
+def test_an_empty_corpus_file_is_named(tmp_path):
+    """train.py --corpus empty.jsonl said only 'BM25Retriever needs at least one passage'."""
+    from types import SimpleNamespace
+
+    from searchlite.data import DataError
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    cfg = SimpleNamespace(retriever="bm25", corpus=str(tmp_path / "empty.jsonl"), encoder="", pooling="mean",
+                          index="", retriever_url="", topk=3)
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'empty.jsonl'}: no passages in the corpus file")):
+        config_retriever(cfg)
