@@ -449,7 +449,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
             moved = set_aside(out, (found.name, *PREVIOUS_RUN))
             shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
             print(f"note: the earlier run is kept: {', '.join(moved)}", flush=True)
-        save_config(cfg, out / "config.json")
+        if start < cfg.steps or not start:  # a resume with nothing to train leaves the run's settings as they were
+            save_config(cfg, out / "config.json")
         # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
         write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])

@@ -212,6 +212,7 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
     train.main(args(tiny_model, out, "grpo", steps=1, extra=["--warmup_steps", "2", "--resume", "--kl_coef", "0.01"]))
     printed = capsys.readouterr().out
     assert "already at step 2 of --steps 1: nothing to train" in printed and "holds the step-2 model" in printed
+    assert json.loads((out / "config.json").read_text())["steps"] == 2  # the run's settings, not this no-op's
 
 
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
