@@ -373,6 +373,10 @@ def parse_args(argv=None):
       "judge needs room to finish its <think> first (e.g. 1024)")
     a("--progress", type=bool_arg, default=True, help="show progress bars")
     args = ap.parse_args(argv)
+    if not args.progress:  # transformers' bars too: loading the weights, converting a GGUF file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if not args.temperature >= 0:
         ap.error(f"argument --temperature: must be at least 0 (0 = greedy), got {args.temperature}")
     return args

@@ -1140,3 +1140,15 @@ def test_baseline_answers_read_past_labels_and_own_questions(tok):
     cot = run_batch("cot", [questions[0], *questions[2:]], ScriptedSampler(tok, replies), None, tok, P,
                     chat_template=False)
     assert [(r["prediction"], r["em"]) for r in cot] == [(None, 0.0), ("Paris", 1.0), ("Paris", 1.0)]
+
+
+def test_progress_false_hides_transformers_loading_bar(tmp_path, capfd):
+    """--progress false hid searchlite's bars, while transformers still drew 'Loading weights'."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        evaluate.main(["--model", "toy/model", "--limit", "1", "--methods", "direct", "--progress", "false",
+                       "--out", str(tmp_path / "e")])
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        hf_logging.enable_progress_bar()  # the setting is the process's: other tests keep their bars
