@@ -17,12 +17,25 @@ line), or just a corpus (indexed in memory at start; the toy world's by default)
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
 from searchlite.config import ArgumentParser, HelpFormatter, at_least, resolve_path
 from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
+
+
+def check_port(host: str, port: int) -> None:
+    """Exit with a message if `host:port` cannot be listened on (another server holds it): found
+    before the index loads, not after, when uvicorn would say it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            sys.exit(f"error: --host {host} --port {port}: cannot listen there ({e.strerror}); another server may "
+                     "hold it: pick another --port")
 
 
 def make(args):
@@ -147,6 +160,7 @@ def main(argv=None) -> None:
             sys.exit(f"error: serving needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'")
         if not 1 <= args.topk <= MAX_TOPK:
             sys.exit(f"error: --topk must be 1..{MAX_TOPK}, got {args.topk}")
+        check_port(args.host, args.port)
     try:
         if args.cmd == "build":
             return build(args)

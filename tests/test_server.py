@@ -29,10 +29,25 @@ def test_serve_refuses_a_default_topk_out_of_range_before_loading(monkeypatch, t
         retrieve.main(["serve", "--topk", topk])
 
 
+def test_serve_refuses_a_port_another_server_holds_before_loading(monkeypatch):
+    """It loaded the index (minutes on wiki-18), printed 'serving http://...', then uvicorn died on the port."""
+    import socket
+
+    monkeypatch.setattr(retrieve, "make", _never_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"^error: --host 127.0.0.1 --port {port}: cannot listen there "
+                                             r"\(.*\); another server may hold it: pick another --port$"):
+            retrieve.main(["serve", "--port", str(port)])
+
+
 def test_serve_passes_its_flags_to_the_app(monkeypatch):
     import searchlite.server
 
     seen = {}
+    monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)  # port 8000 may be taken here
     monkeypatch.setattr(searchlite.server, "serve", lambda retriever, host, port, **settings: seen.update(settings))
     retrieve.main(["serve", "--topk", "5", "--max_queries", "7", "--max_query_chars", "9", "--batch_wait_ms", "20"])
     assert seen == {"default_topk": 5, "max_queries": 7, "max_query_chars": 9, "batch_wait": 0.02}
