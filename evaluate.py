@@ -77,7 +77,7 @@ def resolve_data(item: str, data_dir: str) -> tuple[str, Path]:
         name = path.name.removesuffix(".gz").removesuffix(".jsonl")
         return (f"{path.parent.name}_{name}" if name in ("test", "dev", "train", "val") else name), path
     if "/" in item or item.endswith((".jsonl", ".gz")):
-        raise EvalError(f"QA file {item} does not exist")
+        raise EvalError(f"--data {item}: no such QA file")
     root = Path(data_dir)
     tried = [root / f"{item}.jsonl", root / item / "test.jsonl", root / item / "dev.jsonl"]
     for p in tried:

@@ -743,6 +743,8 @@ def test_error_unknown_dataset_names_paths(world, tmp_path):
         assert p in msg
     with pytest.raises(SystemExit, match="not one of the known names"):
         evaluate.main(cli(world, tmp_path / "o", "--data", "nqq", "--data_dir", str(tmp_path / "qa")))
+    with pytest.raises(SystemExit, match=r"^error: --data nope.jsonl: no such QA file$"):  # a path: the flag named
+        evaluate.main(cli(world, tmp_path / "o", "--data", "nope.jsonl"))
 
 
 def test_dataset_names_resolve_in_data_dir(tmp_path):
