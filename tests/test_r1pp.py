@@ -463,9 +463,8 @@ def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_token
 
 def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     out = tmp_path / "s1"
-    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out),
-               "--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4",
-               "--sft_rewrites", "2"])
+    small = ["--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "2"]
+    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), *small])
     counts = json.loads((out / "stage1.json").read_text())
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
     assert 0 < counts["rewrite_demos"] <= min(2, counts["kept"] - counts["kept_internal"])
@@ -474,7 +473,7 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
     assert json.loads(lines[0])["fields"]["group"] == 2 and json.loads(lines[1])["next"] == 6
     assert sum(len(json.loads(line)["rows"]) for line in lines[1:]) == counts["kept"]  # each kept row once
     stamp = (out / "model" / "model.safetensors").stat().st_mtime_ns
-    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), "--resume"])
+    r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), *small, "--resume"])
     assert (out / "model" / "model.safetensors").stat().st_mtime_ns == stamp  # finished: nothing redone
     # a forgotten --resume: a stage 1 that fails as it loads changes no file; one that starts keeps the earlier
     weights, config, log = ((out / f).read_bytes() for f in ("model/model.safetensors", "config.json",
