@@ -2,10 +2,10 @@
 
 Precedence: dataclass defaults < a `configs.toml` preset < CLI flags. The defaults follow
 Search-R1's scripts, except what depends on run length and batching (warm-up, mini-batches:
-0) and the verl defaults those scripts inherit (top-p, entropy bonus, weight decay), which
-the qwen2.5-* presets set. With no `--preset`, the `toy` preset (the embedded toy world,
-scaled for a CPU) is applied, and `--preset none` applies none. Flags are field names, typed
-by the field:
+0), the verl defaults those scripts inherit (top-p, entropy bonus, weight decay), which
+the qwen2.5-* presets set, and max_turns 4, the paper's action budget (the scripts pass 2).
+With no `--preset`, the `toy` preset (the embedded toy world, scaled for a CPU) is applied,
+and `--preset none` applies none. Flags are field names, typed by the field:
 
     >>> cfg = parse_args(["--algo", "grpo", "--group", "5", "--lr=1e-5"])
     >>> (cfg.algo, cfg.group, cfg.lr)
@@ -104,7 +104,7 @@ class Config:
     mini_batch_size: int = 0  # trajectories per optimizer step; 0 = the whole batch in one step (Search-R1: 256; GRPO in one step, one epoch, takes its old log-probs from the update)
     micro_batch_size: int = 16  # trajectories per forward/backward (gradient accumulation)
     micro_batch_tokens: int = 0  # the most tokens a forward/backward holds besides micro_batch_size's rows, padding included (rows x the longest; a longer row goes alone): short rows go many to a pass, long ones few (verl's dynamic batch size); 0 = rows alone
-    loss_agg: str = "token_mean"  # token_mean (Search-R1) | seq_mean_token_mean (R1-Searcher++)
+    loss_agg: str = "token_mean"  # token_mean (Search-R1's, over the whole mini-batch: its verl averages micro-batch means) | seq_mean_token_mean (R1-Searcher++)
     grad_checkpointing: bool = False  # recompute activations in backward to save memory
     # --- memory levers (searchlite/memory.py)
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes AdamW, its two states per weight stored in 8 bits)
