@@ -557,6 +557,12 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 n_kept = len(mem) if mem is not None else 0
                 row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
                         "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
+            if dist.is_main():  # the step's line, then its evaluation's
+                print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
+                      f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "
+                      f"| kl {row['kl']:.4f} | clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} "
+                      f"| lr {row['lr']:.2e} "
+                      f"| {row['seconds']:.1f}s", flush=True)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 scores_by_type, records = evaluate(step + 1)
                 save_eval(step + 1, records)
@@ -564,11 +570,6 @@ def train(argv, held: contextlib.ExitStack) -> None:
             if dist.is_main():
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
-                print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
-                      f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "
-                      f"| kl {row['kl']:.4f} | clip {row['clipfrac']:.3f} | ent {row['entropy']:.3f} "
-                      f"| lr {row['lr']:.2e} "
-                      f"| {row['seconds']:.1f}s", flush=True)
             if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0 and dist.is_main():
                 from searchlite.view import write_html
 

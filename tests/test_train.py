@@ -800,3 +800,11 @@ def test_a_resume_from_a_model_changed_since_is_refused(tiny_model, tmp_path, ca
     with pytest.raises(SystemExit, match=rf"--resume: --model {re.escape(str(model))} is not the model .*checkpoint's "
                                          r"run started from \(changed since: model.safetensors\); the KL reference"):
         train.main(args(str(model), out, "grpo", steps=3, extra=["--resume"]))
+
+
+def test_a_step_line_comes_before_its_evaluation(tiny_model, tmp_path, capsys):
+    """'eval step 1' was printed before 'step    1 | reward ...', the step it evaluates."""
+    train.main(args(tiny_model, tmp_path / "run", "grpo", steps=1))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "eval step "))]
+    assert [line.split("|")[0].split()[:3] for line in lines] == [["eval", "step", "0"], ["step", "1"],
+                                                                    ["eval", "step", "1"]]
