@@ -78,6 +78,10 @@ def plot(runs: list[str], out: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kinds = plt.figure().canvas.get_supported_filetypes()  # png, pdf, svg, ...
+    plt.close("all")
+    if Path(out).suffix.lower().lstrip(".") not in kinds:  # else matplotlib added .png, or raised a ValueError
+        raise DataError(f"--out {out}: give a file ending in one of .{', .'.join(sorted(kinds))}")
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
     names = labels(runs)
     for i, rows in enumerate(metrics):  # a run keeps its colour in every panel, also where another logged nothing

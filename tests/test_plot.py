@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from searchlite.data import DataError
 from searchlite.plot import plot, read_metrics, series
 
 
@@ -22,6 +23,11 @@ def test_series_and_png(tmp_path):
     assert series(got, "eval/all") == ([0, 2], [0.2, 0.5])
     out = plot([str(run)], str(tmp_path / "c.png"))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    # matplotlib wrote 'curves' as curves.png while the path printed was 'curves'; '.txt' was a traceback
+    for name in ("curves", "c.txt"):
+        with pytest.raises(DataError, match=rf"--out .*{name}: give a file ending in one of .*\.png"):
+            plot([str(run)], str(tmp_path / name))
+    assert plot([str(run)], str(tmp_path / "c.svg")).read_text().lstrip().startswith("<?xml")
 
 
 def test_a_running_run_is_read_as_it_stands_and_bad_input_is_named(tmp_path):
