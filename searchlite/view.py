@@ -73,7 +73,7 @@ def render(ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 
 def write_html(path, ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(ro, tokenizer, rewards, golds, title, limit))
+    path.write_text(render(ro, tokenizer, rewards, golds, title, limit), encoding="utf-8")  # as the page declares
     return path
 
 
