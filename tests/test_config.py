@@ -1,6 +1,7 @@
 """Config precedence (defaults < preset < CLI) and the errors for bad keys and values."""
 
 import json
+import sys
 
 import pytest
 
@@ -417,6 +418,15 @@ def test_a_gguf_model_is_taken_as_its_converted_folder(tmp_path, monkeypatch, ca
     assert cfg.model == str(cached) and f"--model {gguf}: the safetensors folder" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="does not exist"):
         check_config(parse_args(["--model", str(tmp_path / "gone.gguf")]))
+    # a folder holding one .gguf (and no config.json), as evaluate.py takes it: refused as 'no config.json'
+    (tmp_path / "gg").mkdir()
+    inner = gguf.rename(tmp_path / "gg" / "tiny.gguf")
+    st = inner.stat()
+    digest = hashlib.sha1(f"{inner.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    cached.rename(tmp_path / "cache" / "gguf" / f"tiny-{digest}")
+    cfg = parse_args(["--model", str(tmp_path / "gg")])
+    check_config(cfg)
+    assert cfg.model == str(tmp_path / "cache" / "gguf" / f"tiny-{digest}")
 
 
 def test_the_toy_preset_applied_to_another_model_is_said(tmp_path, capsys):
@@ -455,3 +465,34 @@ def test_retriever_url_alone_searches_that_server(tmp_path, capsys):
     assert (cfg.retriever, cfg.retriever_url) == ("http", "http://b:2")
     assert "note" not in capsys.readouterr().err  # already http: nothing to say
     assert parse_args(["--retriever_url", ""]).retriever == "bm25"  # an empty address names no server
+    # a preset's address alone, as a flag's: it trained on BM25 over the toy corpus and kept the address
+    presets.write_text('[url]\nretriever_url = "http://a:1"\n[both]\nretriever = "bm25"\nretriever_url = "http://a:1"\n')
+    assert parse_args(["--preset", "url"], presets=presets).retriever == "http"
+    assert "p.toml [url] retriever_url = 'http://a:1': searching that server" in capsys.readouterr().err
+    assert parse_args(["--preset", "url", "--retriever", "bm25"], presets=presets).retriever == "bm25"  # chosen
+    with pytest.raises(ConfigError, match=r"p.toml \[both\] retriever_url = 'http://a:1' is searched only with "
+                                          r"retriever = \"http\", and the preset has retriever = 'bm25'"):
+        parse_args(["--preset", "both"], presets=presets)
+
+
+def test_a_missing_file_from_a_preset_is_named_by_its_line(tmp_path):
+    """--train_data ...: no such file, for a value the user never typed as a flag: it came from a preset."""
+    from searchlite.config import check_config
+
+    presets = tmp_path / "p.toml"
+    presets.write_text('[qa]\ntrain_data = "data/qa/none.jsonl"\n')
+    with pytest.raises(ConfigError, match=r"^p.toml \[qa\] train_data = data/qa/none.jsonl: no such file$"):
+        check_config(parse_args(["--preset", "qa"], presets=presets))
+    with pytest.raises(ConfigError, match=r"^--train_data data/qa/gone.jsonl: no such file$"):  # a flag's: the flag
+        check_config(parse_args(["--preset", "qa", "--train_data", "data/qa/gone.jsonl"], presets=presets))
+
+
+def test_help_reads_the_field_comments_under_any_locale():
+    """Under an ASCII locale (LC_ALL=C), --help read config.py in that encoding and died on its '§'."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-c", "from searchlite.config import field_help; print(len(field_help()))"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and int(done.stdout) > 50, done.stderr
