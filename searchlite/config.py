@@ -69,7 +69,7 @@ class Config:
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
     pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
     index: str = ""  # an index folder (retrieve.py build), read with the corpus it was built from unless --corpus names another; or a FAISS file (--retriever dense)
-    retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000; the flag alone means --retriever http
+    retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000; given alone (a flag or a preset), it means --retriever http
     topk: int = 3  # passages returned per search
     # --- protocol and rollout
     protocol: str = "search_r1"  # search_r1 (<search>/<answer> tags) | r1_searcher_pp (internal/external, \boxed{})
