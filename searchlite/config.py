@@ -68,6 +68,7 @@ class Config:
     corpus: str = "toy/corpus.jsonl"  # passages JSONL (Search-R1 wiki-18 or id/title/text format)
     encoder: str = ""  # dense retriever: Hugging Face encoder folder or name (e5 / bge prefixes applied)
     pooling: str = "mean"  # dense retriever pooling: mean (E5) | cls (BGE)
+    query_prefix: str = ""  # dense retriever: text before each query, e.g. 'query: ' for an E5 index; empty = an index folder's, else by the encoder's name (E5: 'query: ', BGE: its instruction)
     index: str = ""  # an index folder (retrieve.py build), read with the corpus it was built from unless --corpus names another; or a FAISS file (--retriever dense)
     retriever_url: str = ""  # http retriever: Search-R1-compatible server, e.g. http://127.0.0.1:8000; given alone (a flag or a preset), it means --retriever http
     topk: int = 3  # passages returned per search
@@ -486,6 +487,9 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     if cfg.retriever == "http" and not cfg.retriever_url:
         raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
                           "http://127.0.0.1:8000; start one with python retrieve.py serve)")
+    if used("query_prefix") and cfg.query_prefix and cfg.retriever != "dense":
+        raise ConfigError(f"{_named(cfg, 'query_prefix')} {cfg.query_prefix!r}: only --retriever dense encodes queries "
+                          f"(a server has its own: retrieve.py serve --query_prefix), not --retriever {cfg.retriever}")
     if cfg.retriever == "dense" and not (cfg.encoder or cfg.index):
         raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
     if cfg.retriever == "rank_bm25" and cfg.index:

@@ -251,7 +251,7 @@ def fill_prompt_settings(args, fallback: dict = UNTRAINED) -> Path | None:
     return where
 
 
-RETRIEVER_SETTINGS = ("retriever", "corpus", "index", "encoder", "pooling", "retriever_url")
+RETRIEVER_SETTINGS = ("retriever", "corpus", "index", "encoder", "pooling", "query_prefix", "retriever_url")
 KIND_FLAGS = ("retriever", "retriever_url")  # flags that pick another retriever: the run's others are left out
 RUN_KEYS = {"data": "test_data"}  # a command's flag -> the train.py config field it takes, where they differ
 PATH_SETTINGS = ("data", "corpus", "index", "encoder")  # written as typed, from the folder train.py ran in

@@ -237,7 +237,8 @@ SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data",
                    "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
-                 "grad_checkpointing", "master_weights")  # what stage 1 reads
+                 "grad_checkpointing", "master_weights", "query_prefix")  # what stage 1 reads (the sampling log
+# predates query_prefix: a resume with another one is not refused there)
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>",

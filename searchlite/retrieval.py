@@ -355,8 +355,8 @@ class DenseRetriever(Retriever):
             if query_prefix is None and (dq, dp) == ("", ""):  # a file keeps no prefixes: the name is all we go by
                 warnings.warn(f"encoder {self.text_encoder.name}: its name says neither E5 nor BGE, so queries are "
                               f"encoded with no prefix; the passage vectors in {index} may want one (Search-R1's "
-                              "e5_Flat.index: 'query: '): give the encoder under a name with e5 in it, or serve "
-                              "it with `retrieve.py serve --query_prefix 'query: '`", stacklevel=2)
+                              "e5_Flat.index: 'query: '): give it with --query_prefix 'query: ', or the encoder "
+                              "under a name with e5 in it", stacklevel=2)
             index = faiss.read_index(str(index), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
         if index.ntotal != len(self.passages):
             raise ValueError(f"index holds {index.ntotal} vectors but the corpus has {len(self.passages)} passages: a "
@@ -618,9 +618,10 @@ def config_retriever(cfg) -> Retriever:
     if cfg.retriever == "http":
         check_server(cfg.retriever_url, cfg.topk)
     corpus = None if cfg.retriever == "http" else index_corpus(cfg.corpus, cfg.index)
+    prefix = {"query_prefix": cfg.query_prefix} if getattr(cfg, "query_prefix", "") else {}  # else by name
     try:
         return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
-                               index=cfg.index or None, url=cfg.retriever_url or None)
+                               index=cfg.index or None, url=cfg.retriever_url or None, **prefix)
     except DataError:  # a bad corpus line: it names its file and line already
         raise
     except OSError as e:

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--data", default=None, help="QA JSONL to take questions from (default: a train.py run's "
                     "test_data, else toy/test.jsonl)")
     ap.add_argument("--retriever", default=None, help="bm25 | rank_bm25 | dense | http (default: a train.py run's, "
-                    "with its --corpus, --index, --encoder, --pooling and --retriever_url, each of which a flag "
+                    "with its --corpus, --index, --encoder, --pooling, --query_prefix and --retriever_url, each of which a flag "
                     "replaces; given, the run's are left out; else bm25)")
     ap.add_argument("--corpus", default=None, help="passages JSONL (default: a train.py run's, else toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="a saved index folder (retrieve.py build), or with --retriever "
@@ -94,6 +94,8 @@ def main(argv=None) -> None:
                     "train.py run's)")
     ap.add_argument("--pooling", default=None, choices=("mean", "cls"), help="dense retriever built here: mean (E5) "
                     "| cls (BGE) (default: a train.py run's, else mean)")
+    ap.add_argument("--query_prefix", default=None, help="dense retriever: text before each query, e.g. 'query: ' "
+                    "for an E5 index (default: a train.py run's, else an index folder's, else by the encoder's name)")
     ap.add_argument("--retriever_url", default=None, help="a Search-R1-compatible retrieval server (implies "
                     "--retriever http)")
     ap.add_argument("--protocol", default=None, help="search_r1 | r1_searcher_pp (default: the one a train.py run "

@@ -496,3 +496,12 @@ def test_help_reads_the_field_comments_under_any_locale():
     done = subprocess.run([sys.executable, "-c", "from searchlite.config import field_help; print(len(field_help()))"],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0 and int(done.stdout) > 50, done.stderr
+
+
+def test_a_query_prefix_is_for_a_dense_retriever():
+    """--query_prefix on BM25 or a server would be dropped without a word (a server has its own)."""
+    from searchlite.config import check_config
+
+    with pytest.raises(ConfigError, match=r"^--query_prefix 'query: ': only --retriever dense encodes queries .*"
+                                          r"not --retriever bm25$"):
+        check_config(parse_args(["--query_prefix", "query: "]))

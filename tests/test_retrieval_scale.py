@@ -484,6 +484,15 @@ def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_
         warnings.simplefilter("error")  # a prefix given, or an E5 name, is not warned of
         r = retrieve.make(argparse.Namespace(**flags, query_prefix="query: "))
         build_retriever("dense", str(corpus), encoder=encoder, index=str(tmp_path / "e5_Flat.index"))
+        # train.py, evaluate.py and view: --query_prefix (a run's config field)
+        from types import SimpleNamespace
+
+        from searchlite.retrieval import config_retriever
+
+        cfg = SimpleNamespace(retriever="dense", corpus=str(corpus), encoder=str(unnamed), pooling="mean",
+                              index=str(tmp_path / "e5_Flat.index"), retriever_url="", topk=3, query_prefix="query: ")
+        for row, hits in zip(expected, config_retriever(cfg).search(QUERIES, 3)):
+            assert [h.score for h in hits] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-5)
     for row, hits in zip(expected, r.search(QUERIES, 3)):
         assert [h.score for h in hits] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-5)
 
