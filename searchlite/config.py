@@ -319,20 +319,20 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     if {"retriever", "retriever_url"} <= given and values["retriever_url"] and values["retriever"] != "http":
         raise ConfigError(f"command line: --retriever_url {values['retriever_url']} is searched only with --retriever "
                           f"http, not --retriever {values['retriever']}")
-    if "retriever_url" in given and values["retriever_url"] and "retriever" not in given \
-            and values.get("retriever", Config.retriever) != "http":  # as evaluate.py and view read it
-        print(f"note: --retriever_url {values['retriever_url']}: searching that server (--retriever http) instead of "
-              f"--retriever {values.get('retriever', Config.retriever)}", file=sys.stderr, flush=True)
+    # a server named alone, by a flag (as evaluate.py and view read it) or by a preset, is the one searched
+    url, kind = values.get("retriever_url"), values.get("retriever", Config.retriever)
+    if url and kind != "http" and "retriever" not in given:
+        if "retriever_url" in given:
+            where = f"--retriever_url {url}"
+        elif "retriever" in from_preset:
+            raise ConfigError(f"{from_preset['retriever_url']} {url!r} is searched only with retriever = \"http\", "
+                              f"and the preset has retriever = {kind!r}")
+        else:
+            where = f"{from_preset['retriever_url']} {url!r}"
+        print(f"note: {where}: searching that server (--retriever http) instead of --retriever {kind}",
+              file=sys.stderr, flush=True)
         values["retriever"] = "http"
         from_preset.pop("retriever", None)
-    if "retriever_url" in from_preset and values["retriever_url"] and "retriever" not in given \
-            and values.get("retriever", Config.retriever) != "http":  # a preset's server, as a flag's
-        if "retriever" in from_preset:
-            raise ConfigError(f"{from_preset['retriever_url']} {values['retriever_url']!r} is searched only with "
-                              f"retriever = \"http\", and the preset has retriever = {values['retriever']!r}")
-        print(f"note: {from_preset['retriever_url']} {values['retriever_url']!r}: searching that server (--retriever "
-              f"http) instead of --retriever {Config.retriever}", file=sys.stderr, flush=True)
-        values["retriever"] = "http"
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
     if not cfg.out_dir:  # a program that reads no --algo (stage 1) names its folder after the preset alone
