@@ -118,15 +118,15 @@ def make_retriever(args):
             check_server(args.retriever_url, args.topk)
         except ConfigError as e:
             raise EvalError(str(e)) from None
-        return build_retriever("http", url=args.retriever_url)
+        return build_retriever("http", url=args.retriever_url, query_prefix=args.query_prefix or None)
     corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
                         "(a passages JSONL)")
     quiet = {"progress": False} if not args.progress and args.retriever != "dense" and not args.index else {}
-    prefix = {"query_prefix": args.query_prefix} if args.query_prefix else {}  # else the folder's, or by name
     return build_retriever(args.retriever, corpus, encoder=args.encoder or None, pooling=args.pooling,
-                           index=args.index or None, **quiet, **prefix)  # --progress false: no indexing bar either
+                           index=args.index or None, query_prefix=args.query_prefix or None,
+                           **quiet)  # --progress false: no indexing bar either
 
 
 # ---------------------------------------------------------------------------- settings and outputs

@@ -561,15 +561,22 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     return DenseRetriever.load(folder, passages, **kw)
 
 
-def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", index=None, url=None, **kw) -> Retriever:
+def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", index=None, url=None,
+                    query_prefix: str | None = None, **kw) -> Retriever:
     """Build a retriever by name. `corpus` is a JSONL path (or a list of Passage) for every
     kind but "http", which needs `url`. `index` may be a folder written by `retrieve.py build`
     (loaded; for "dense", `encoder` then overrides the saved one, and a `pooling` other than the
     default "mean" must be the saved one) or, for "dense", a FAISS
-    file such as Search-R1's e5_Flat.index; else the corpus is indexed now. Other keywords
-    go to the retriever's constructor."""
+    file such as Search-R1's e5_Flat.index; else the corpus is indexed now. `query_prefix`
+    (dense only; None: an index folder's, else by the encoder's name) goes before each query.
+    Other keywords go to the retriever's constructor."""
     if kind not in KINDS:
         raise ValueError(f"unknown retriever kind {kind!r}; valid: {', '.join(KINDS)}")
+    if query_prefix is not None:
+        if kind != "dense":
+            raise ValueError(f"query prefix {query_prefix!r}: only a dense retriever encodes queries (a server has "
+                             f"its own: retrieve.py serve --query_prefix), not retriever kind {kind!r}")
+        kw["query_prefix"] = query_prefix
     if kind == "http":
         if not url:
             raise ValueError("retriever kind 'http' needs url=")
@@ -618,10 +625,10 @@ def config_retriever(cfg) -> Retriever:
     if cfg.retriever == "http":
         check_server(cfg.retriever_url, cfg.topk)
     corpus = None if cfg.retriever == "http" else index_corpus(cfg.corpus, cfg.index)
-    prefix = {"query_prefix": cfg.query_prefix} if getattr(cfg, "query_prefix", "") else {}  # else by name
     try:
         return build_retriever(cfg.retriever, corpus, encoder=cfg.encoder or None, pooling=cfg.pooling,
-                               index=cfg.index or None, url=cfg.retriever_url or None, **prefix)
+                               index=cfg.index or None, url=cfg.retriever_url or None,
+                               query_prefix=getattr(cfg, "query_prefix", "") or None)  # empty: the folder's, or by name
     except DataError:  # a bad corpus line: it names its file and line already
         raise
     except OSError as e:

@@ -1154,3 +1154,11 @@ def test_progress_false_hides_transformers_loading_bar(tmp_path, capfd):
         assert "Loading weights" not in capfd.readouterr().err
     finally:
         hf_logging.enable_progress_bar()  # the setting is the process's: other tests keep their bars
+
+
+def test_a_query_prefix_without_a_dense_retriever_is_one_line(tmp_path):
+    """--query_prefix with BM25 ended in a TypeError from BM25Retriever's constructor."""
+    with pytest.raises(SystemExit, match=r"^error: query prefix 'q: ': only a dense retriever encodes queries .*"
+                                         r"not retriever kind 'bm25'$"):
+        evaluate.main(["--model", "toy/model", "--limit", "1", "--methods", "rag", "--query_prefix", "q: ",
+                       "--progress", "false", "--out", str(tmp_path / "e")])
