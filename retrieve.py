@@ -26,16 +26,24 @@ from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
 
 
-def check_port(host: str, port: int) -> None:
-    """Exit with a message if `host:port` cannot be listened on (another server holds it): found
-    before the index loads, not after, when uvicorn would say it."""
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server cannot listen on `host:port` (another one holds it), or None if it can."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             s.bind((host, port))
         except OSError as e:
-            sys.exit(f"error: --host {host} --port {port}: cannot listen there ({e.strerror}); another server may "
-                     "hold it: pick another --port")
+            return e.strerror
+    return None
+
+
+def check_port(host: str, port: int) -> None:
+    """Exit with a message if `host:port` cannot be listened on: found before the index loads, not
+    after, when uvicorn would say it."""
+    why = port_taken(host, port)
+    if why:
+        sys.exit(f"error: --host {host} --port {port}: cannot listen there ({why}); another server may hold it: "
+                 "pick another --port")
 
 
 def make(args):

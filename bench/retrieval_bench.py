@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import runpy
-import socket
 import statistics
 import subprocess
 import sys
@@ -159,11 +158,11 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
     from searchlite.data import read_qa
     from searchlite.retrieval import HTTPRetriever
 
-    with socket.socket() as probe:  # another process's server there would answer /health and be measured
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError as e:
-            sys.exit(f"bench: port {port} is taken ({e.strerror}): another server may be there; pick --port")
+    from retrieve import port_taken
+
+    why = port_taken("127.0.0.1", port)  # another process's server there would answer /health and be measured
+    if why:
+        sys.exit(f"bench: port {port} is taken ({why}): another server may be there; pick --port")
     log = tempfile.TemporaryFile()
     server = subprocess.Popen([PY, "retrieve.py", "serve", "--index", index, "--port", str(port)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=log)
