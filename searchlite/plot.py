@@ -77,9 +77,9 @@ def plot(runs: list[str], out: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
-    kinds = plt.figure().canvas.get_supported_filetypes()  # png, pdf, svg, ...
-    plt.close("all")
+    kinds = FigureCanvasBase.get_supported_filetypes()  # png, pdf, svg, ...
     if Path(out).suffix.lower().lstrip(".") not in kinds:  # else matplotlib added .png, or raised a ValueError
         raise DataError(f"--out {out}: give a file ending in one of .{', .'.join(sorted(kinds))}")
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
