@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shlex
 import re
 import sys
 import time
@@ -234,11 +235,12 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
 SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data", "seed", "sft_questions", "group",
                    "batch_size", "cold_start_sampler", "protocol", "template", "temperature", "top_p", "max_turns",
                    "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
-                   "index", "retriever_url", "topk", "gen_batch_size")  # a resume samples on with the same ones
+                   "index", "retriever_url", "query_prefix", "topk", "gen_batch_size")  # a resume samples on
+# with the same ones; a log from before a field was recorded was sampled with its value here
+UNRECORDED = {"query_prefix": ""}
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
-                 "grad_checkpointing", "master_weights", "query_prefix")  # what stage 1 reads (the sampling log
-# predates query_prefix: a resume with another one is not refused there)
+                 "grad_checkpointing", "master_weights")  # what stage 1 reads
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>",
@@ -265,11 +267,13 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
         sys.exit(f"error: {path}:1: not a rejection-sampling log (no fields line); "
                  "rerun without --resume to sample afresh")
     for k, v in fields.items():
+        if k not in head and k in UNRECORDED:  # a log from before k was recorded
+            head[k] = UNRECORDED[k]
         if k not in head:  # a log from a version that did not record k
             sys.exit(f"error: {path}:1: the log does not record {k}; rerun without --resume to sample afresh")
         if head[k] != v:
             sys.exit(f"error: {path}:1: sampled with {k} = {head.get(k)!r}, this run has {k} = {v!r}; "
-                     f"rerun with --{k} {head.get(k)}, or without --resume to sample afresh")
+                     f"rerun with --{k} {shlex.quote(str(head[k]))}, or without --resume to sample afresh")
     return path
 
 

@@ -289,6 +289,12 @@ def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
     with pytest.raises(SystemExit, match=r"the log does not record gen_batch_size; rerun without --resume"):
         r1pp.open_sampling_log(log, fields | {"gen_batch_size": 8}, resume=True)  # a chunk size changes the samples
     assert "gen_batch_size" in r1pp.SAMPLING_FIELDS
+    # a log from before query_prefix was recorded was sampled without one
+    assert r1pp.open_sampling_log(log, fields | {"query_prefix": ""}, resume=True) == log
+    with pytest.raises(SystemExit, match=r"sampled with query_prefix = '', this run has query_prefix = 'query: '; "
+                                         r"rerun with --query_prefix '', or without"):
+        r1pp.open_sampling_log(log, fields | {"query_prefix": "query: "}, resume=True)
+    assert "query_prefix" in r1pp.SAMPLING_FIELDS
     with open(log, "a") as f:
         f.write("not json\n{}\n")
     with pytest.raises(DataError, match="log.jsonl:2: bad JSON"):  # only the last line may be cut short
