@@ -1,7 +1,10 @@
 """The HTML trajectory view: policy and retrieved tokens in different colours, nothing lost."""
 
 import html
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
@@ -240,3 +243,29 @@ def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch)
     (run / "config.json").write_text(json.dumps({**config, "reward": "em"}))  # an EM run: exact match, as before
     searchlite.view.main(argv)
     assert shown["rewards"] == [0.0, 0.0, 1.0, 0.0] and "exact match" in shown["title"]
+
+
+def test_a_page_is_written_in_utf8_under_an_ascii_locale(tmp_path):
+    """The page declares UTF-8; a passage or answer outside the locale's charset must not stop a run."""
+    script = r"""
+import sys, torch
+from searchlite.view import write_html
+text = "Z\u00fcrich \u2014 \u6771\u4eac"
+ids = torch.tensor([[ord(c) for c in text]])  # (1, T): one id per code point
+class Ro:
+    input_ids, attention_mask, loss_mask, prompt_len = ids, torch.ones_like(ids), torch.ones_like(ids), [2]
+    answers, searches, turns = ["Z\u00fcrich"], [0], [1]
+    def __len__(self):
+        return 1
+class Tok:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+write_html(sys.argv[1], Ro(), Tok(), [1.0], [["Z\u00fcrich"]])
+"""
+    ascii_locale = os.environ | {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "p.html")], env=ascii_locale,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "p.html").read_bytes().decode("utf-8")
+    assert "<meta charset='utf-8'>" in page
+    assert "answer <b>Zürich</b>" in page and "gold Zürich" in page and "rich — 東京</span>" in page
