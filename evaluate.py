@@ -199,7 +199,7 @@ def index_files(index: Path) -> dict | None:
     if not index.is_dir():
         return None
     settings = {f"{kind}.json" for kind in KIND_FILES}  # an index folder's settings: fingerprinted by their text
-    return {f.name: f.read_text() if f.name in settings else stat_key(f)
+    return {f.name: f.read_text(encoding="utf-8") if f.name in settings else stat_key(f)
             for f in sorted(index.iterdir()) if f.is_file() and f.name != "corpus_offsets.npz"}
 
 
@@ -235,7 +235,7 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
         records.unlink(missing_ok=True)
     elif records.exists() and run_file.exists():
         try:
-            before = json.loads(run_file.read_text())
+            before = json.loads(run_file.read_text(encoding="utf-8"))
             if not isinstance(before, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:

@@ -81,7 +81,7 @@ def load_runs(runs: list[str]) -> dict[str, tuple[dict, Path]]:
         ckpt = find_checkpoint(run)  # train.py's last complete checkpoint: the policy answered below
         if ckpt is None:
             sys.exit(f"error: {run}: no checkpoint (checkpoint/trainer.pt); give train.py out_dirs")
-        cfg = json.loads((Path(run) / "config.json").read_text())
+        cfg = json.loads((Path(run) / "config.json").read_text(encoding="utf-8"))
         out[run] = cfg | {"steps": load_trainer_state(ckpt, mmap=True)["step"]}, ckpt
     key = lambda c: (c["seed"], c["batch_size"], c["steps"], c["train_data"])  # noqa: E731
     first = key(out[runs[0]][0])

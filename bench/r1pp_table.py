@@ -58,7 +58,8 @@ def run_summary(path: Path) -> tuple[dict, dict, int, int]:
 
 def trained_facts(train: Path) -> set:
     """The (passage, value) facts that some training question's hops ask."""
-    return {(h["doc_id"], h["answer"]) for line in train.read_text().splitlines() for h in json.loads(line)["hops"]}
+    return {(h["doc_id"], h["answer"]) for line in train.read_text(encoding="utf-8").splitlines()
+            for h in json.loads(line)["hops"]}
 
 
 def hop_kind(h: dict, trained: set) -> str:
@@ -85,7 +86,7 @@ def floors(test: Path, train: Path) -> dict:
     trained = trained_facts(train)
     known = {"famous hops": ("famous",), "famous+train hops": ("famous", "train")}
     out: dict = {"famous questions": {}, "famous hops": {}, "famous+train hops": {}}
-    lines = test.read_text().splitlines()
+    lines = test.read_text(encoding="utf-8").splitlines()
     qs = [(q["type"], [hop_kind(h, trained) for h in q["hops"]]) for q in map(json.loads, lines)]
     for t in TYPES + ["all"]:
         sub = [(qt, k) for qt, k in qs if t in ("all", qt)] or [("", [])]
@@ -106,7 +107,7 @@ def hop_sources(records: list[dict], test: Path, train: Path) -> dict:
     memory, or its search missed), over the questions it answered. Also how many questions did so
     for a "train" hop (and for no "new" one), and how many for a "new" hop, each with its EM."""
     trained = trained_facts(train)
-    hops = {q["id"]: q["hops"] for q in map(json.loads, test.read_text().splitlines())}
+    hops = {q["id"]: q["hops"] for q in map(json.loads, test.read_text(encoding="utf-8").splitlines())}
     n = {k: [0, 0] for k in ("famous", "train", "new")}  # kind -> [hops, hops without their passage]
     recalled, guessed = [], []  # em of each question that answered a train / a new hop without its passage
     for r in filter(lambda r: r.get("answered", 1.0), records):
@@ -131,7 +132,7 @@ def recall_vs_search(records: list[dict], test: Path) -> dict:
     """(questions, mean EM) of the famous questions (every hop famous) and of the others, split by
     whether the policy answered with no search ("recalled") or searched: what a retrieval saved
     costs in EM. Questions left unanswered with no search are in neither."""
-    famous = {q["id"]: q["famous"] for q in map(json.loads, test.read_text().splitlines())}
+    famous = {q["id"]: q["famous"] for q in map(json.loads, test.read_text(encoding="utf-8").splitlines())}
     out: dict = {}
     for r in records:
         if r["searches"] == 0 and not from_memory(r):
@@ -180,8 +181,8 @@ def main() -> None:
             print(f"| {run.name} | (no eval/ records) | | | | |")
             continue
         for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
-            h = hop_sources([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl",
-                            data / "train.jsonl")
+            records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+            h = hop_sources(records, data / "test.jsonl", data / "train.jsonl")
             print(f"| {name}, {f.stem} | {h['famous']:.0%} | {h['train']:.0%} | {h['new']:.0%} | "
                   f"{h['recalled']}, {h['recalled_em']:.3f} | {h['guessed']}, {h['guessed_em']:.3f} |")
     print("\nQuestions answered with no search, and those searched (n, EM; famous: every hop famous):\n")
@@ -191,7 +192,8 @@ def main() -> None:
         files = sorted((run / "eval").glob("step_*.jsonl"))
         for name, f in ([("stage 1 (start)", files[0])] if i == 0 and files else []) + (
                 [(run.name, files[-1])] if files else []):
-            rv = recall_vs_search([json.loads(line) for line in f.read_text().splitlines()], data / "test.jsonl")
+            records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+            rv = recall_vs_search(records, data / "test.jsonl")
             print(f"| {name}, {f.stem} | " + " | ".join(
                 "{}, {:.3f}".format(*rv.get((k, m), (0, 0.0))) for k in ("famous", "other")
                 for m in ("recalled", "searched")) + " |")

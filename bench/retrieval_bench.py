@@ -113,7 +113,7 @@ def run_measured(cmd: list[str], quiet: bool = True) -> tuple[float, float, floa
             tail = "".join(err.readlines()[-20:]) if quiet else ""  # not quiet: already on the terminal
             sys.exit(f"bench: {' '.join(cmd)} failed with exit code {proc.returncode}"
                      + (f"; its stderr ends:\n{tail}" if tail else ""))
-        peak = int(report.read_text())
+        peak = int(report.read_text(encoding="utf-8"))
     cpu = usage.ru_utime + usage.ru_stime
     return time.perf_counter() - t0, cpu, peak / 2**30, out
 
@@ -229,7 +229,7 @@ def stale(folder: Path, kind: str, corpus: Path) -> str | None:
     over another file (index folders are named by the corpus file's stem only), or over this one
     before it changed."""
     try:
-        settings = json.loads((folder / f"{kind}.json").read_text())
+        settings = json.loads((folder / f"{kind}.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "no finished index there"
     st = corpus.stat()

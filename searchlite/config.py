@@ -352,7 +352,7 @@ def _toy_shaped(model: str) -> bool:
     def shape(spec: str):
         try:
             kind, folder = resolve_model(spec)  # a run's or stage 1's folder: the model inside it
-            saved = json.loads((Path(folder) / "config.json").read_text()) if kind == "hf" else {}
+            saved = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")) if kind == "hf" else {}
         except (ModelError, OSError, ValueError):  # missing, a hub name, a GGUF file: not the toy's
             return None
         return (saved["vocab_size"], saved.get("hidden_size")) if "vocab_size" in saved else None

@@ -83,7 +83,7 @@ def load_prompts(prompts: str | None = None) -> dict[str, str]:
             path = Path(prompts) / f"{method}.txt"
         elif prompts and not Path(prompts).is_dir():
             raise ValueError(f"--prompts {prompts}: not a folder of <method>.txt templates nor a prompt set name")
-        text = path.read_text().rstrip("\n")
+        text = path.read_text(encoding="utf-8").rstrip("\n")
         missing = [p for p in needed if p not in text]
         if missing:
             raise ValueError(f"{path}: the {method} template needs the placeholder(s) {', '.join(missing)}")

@@ -129,7 +129,7 @@ class Judge:
         self.url = url if url.endswith("/chat/completions") else url + "/chat/completions"
         self.model, self.key = model, os.environ.get(key_env, "")
         self.prompt_path = Path(prompt) if prompt else TEMPLATE_DIR / "judge.txt"
-        self.template = self.prompt_path.read_text()
+        self.template = self.prompt_path.read_text(encoding="utf-8")
         missing = [p for p in ("{question}", "{golden_answers}", "{prediction}") if p not in self.template]
         if missing:
             raise ValueError(f"{self.prompt_path}: the judge prompt needs the placeholder(s) {', '.join(missing)}")

@@ -149,7 +149,7 @@ def add_lora(model, rank: int, alpha: float, targets: str, adapter: str | Path |
     folder to continue training. Only adapter weights require gradients afterwards."""
     peft = _peft()
     if adapter is not None:
-        saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        saved = json.loads((Path(adapter) / "adapter_config.json").read_text(encoding="utf-8"))
         if saved.get("r") != rank:
             raise ConfigError(f"{adapter}: the saved adapter has rank {saved.get('r')}, --lora_rank is {rank}")
         return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
@@ -189,7 +189,8 @@ class LoRAReference:
 
 def adapter_base(adapter_dir: str | Path) -> str:
     """The base model a LoRA checkpoint was trained on, as its adapter_config.json names it ("" if none)."""
-    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    saved = json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8"))
+    return saved.get("base_model_name_or_path") or ""
 
 
 def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
@@ -205,7 +206,7 @@ def load_merged(adapter_dir: str | Path, dtype=torch.float32, base: str = ""):
         raise OSError(f"{adapter_dir} is a LoRA adapter whose base model {base!r} cannot be loaded "
                       f"({str(e).splitlines()[0]}); pass the base with `python -m searchlite.memory merge "
                       f"{adapter_dir} --base PATH --out DIR`") from None
-    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_modules") or []
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets  # "all-linear" leaves lm_head alone
     if getattr(model.config, "tie_word_embeddings", False) and any(
             t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") for t in targets):

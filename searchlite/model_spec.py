@@ -38,7 +38,7 @@ def run_config(folder: Path) -> dict | None:
     """The settings a train.py run (or R1-Searcher++'s stage 1) saved in folder/config.json;
     None when there is none, or it is a model's config."""
     try:
-        saved = json.loads((folder / "config.json").read_text())
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
@@ -202,7 +202,8 @@ def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None
     key = " ".join([dtype] + [stamp(f.resolve()) for f in inputs])  # adapter config and weights, base weights
     folder = cache_root(cache) / "merged" / f"{hashlib.sha1(str(src).encode()).hexdigest()[:10]}-{dtype}"
     with _locked(folder):  # held until the copy is whole: no process reads a half-made one
-        if (folder / "searchlite_merged.txt").is_file() and (folder / "searchlite_merged.txt").read_text() == key:
+        merged = folder / "searchlite_merged.txt"
+        if merged.is_file() and merged.read_text(encoding="utf-8") == key:
             return folder
         from transformers import AutoTokenizer
 
@@ -212,7 +213,7 @@ def merged_folder(adapter: str, dtype: str = "float32", cache: str | None = None
         shutil.rmtree(tmp, ignore_errors=True)  # left by a merge that died
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
-        (tmp / "searchlite_merged.txt").write_text(key)
+        (tmp / "searchlite_merged.txt").write_text(key, encoding="utf-8")
         shutil.rmtree(folder, ignore_errors=True)
         replace_durably(tmp, folder)
     return folder
@@ -275,7 +276,7 @@ def fill_run_settings(args, run_config: Path | None, defaults: dict) -> None:
     run's others are left out. A run's server address counts only for a run that searched it
     (retriever http), as in training. A relative path is read from the folder the run was
     started in (found from its out_dir) when the file is there."""
-    saved = json.loads(run_config.read_text()) if run_config else {}
+    saved = json.loads(run_config.read_text(encoding="utf-8")) if run_config else {}
     other = [f"--{k}" for k in KIND_FLAGS if k in defaults and getattr(args, k, None) is not None]
     base = _started_in(run_config, saved.get("out_dir")) if run_config else None
     left = []

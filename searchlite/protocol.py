@@ -229,7 +229,7 @@ def _unwrap_text(s: str) -> str:
 def _read_template(path: str | Path, name: str) -> str:
     if not Path(path).exists():
         raise FileNotFoundError(missing_template(path, name))
-    text = Path(path).read_text()
+    text = Path(path).read_text(encoding="utf-8")
     if "{question}" not in text:
         raise ValueError(f"{path}: a prompt template needs a {{question}} placeholder")
     return text.rstrip("\n") + "\n"

@@ -132,7 +132,7 @@ def rewrite_template(protocol, template: str = "") -> str:
     path = rewrite_path(protocol.name, template)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no rewrite prompt for protocol {protocol.name!r} (mem_coef > 0 needs one)")
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     if "{documents}" not in text or "{question}" not in text:
         raise ValueError(f"{path}: a rewrite prompt needs {{documents}} and {{question}}")
     return text.rstrip("\n") + "\n"
@@ -259,7 +259,7 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
         path.unlink(missing_ok=True)
         append_log(path, [{"fields": fields}])
         return path
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         first = f.readline()
     try:
         head = json.loads(first)["fields"]
@@ -405,7 +405,7 @@ def _stage1(cfg) -> Path:
                  "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
     out = Path(cfg.out_dir)
     if cfg.resume and (out / "stage1.json").exists():
-        done = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
+        done = json.loads((out / "config.json").read_text(encoding="utf-8")) if (out / "config.json").exists() else {}
         changed = [f"{k} = {done[k]!r}, this run has {getattr(cfg, k)!r}" for k in STAGE1_FIELDS
                    if k not in ("out_dir", "resume", "device") and k in done and done[k] != getattr(cfg, k)]
         if changed:  # (bench/r1pp_ablation.sh resumes stage 1, then trains stage 2 on what it finds)

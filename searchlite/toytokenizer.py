@@ -49,7 +49,7 @@ TOKENIZER_TEMPLATES = ("r1_searcher_pp", "search_r1", "toy_r1_searcher_pp", "toy
 
 def read_templates() -> list[str]:
     """The prompt templates named in TOKENIZER_TEMPLATES (searchlite/templates/NAME.txt)."""
-    return [(TEMPLATE_DIR / f"{name}.txt").read_text() for name in TOKENIZER_TEMPLATES]
+    return [(TEMPLATE_DIR / f"{name}.txt").read_text(encoding="utf-8") for name in TOKENIZER_TEMPLATES]
 
 
 def format_result(docs: list[tuple[str, str]], open_tag: str = "<information>", close_tag: str = "</information>") -> str:
@@ -65,7 +65,8 @@ def world_texts(world, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     docs = {p["id"]: (p["title"], p["text"]) for p in world.passages}
     ids = sorted(docs, key=int)
-    r1_template, pp_template = ((TEMPLATE_DIR / f"{name}.txt").read_text() for name in ("search_r1", "r1_searcher_pp"))
+    r1_template, pp_template = ((TEMPLATE_DIR / f"{name}.txt").read_text(encoding="utf-8")
+                                for name in ("search_r1", "r1_searcher_pp"))
     texts = [f'"{t}"\n{x}' for t, x in docs.values()] + PHRASES * 10 + read_templates()
     questions = world.train + world.test
     texts += [q["question"] for q in questions] + [a for q in questions for a in q["golden_answers"]]
@@ -121,7 +122,7 @@ def length_report(tok, world) -> str:
         return f"{name}: mean {sum(n) / len(n):.1f}, max {max(n)} tokens (n={len(n)})"
 
     questions = [q["question"] for q in world.train + world.test]
-    template = (TEMPLATE_DIR / "search_r1.txt").read_text()
+    template = (TEMPLATE_DIR / "search_r1.txt").read_text(encoding="utf-8")
     rng = random.Random(0)
     docs = [(p["title"], p["text"]) for p in world.passages]
     return "\n".join([

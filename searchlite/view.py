@@ -144,7 +144,7 @@ def main(argv=None) -> None:
         # sampled and searched as the run was; the toy warm start as the [toy] preset samples it (temperature
         # 1 garbles its names); any other model at temperature 1 with 500 tokens a turn (HFSampler's defaults)
         toy = Path(resolve_path(args.model)).resolve() == (TOY_DIR / "model").resolve()
-        saved = (json.loads(run_config.read_text()) if run_config else
+        saved = (json.loads(run_config.read_text(encoding="utf-8")) if run_config else
                  read_presets(DEFAULT_PRESETS)["toy"] if toy else {})
         fill_run_settings(args, run_config, run_defaults())  # the run's test set, retriever and lengths
         qa = read_qa(resolve_path(args.data))[: args.n]

@@ -25,6 +25,16 @@ def load_bench(name: str):
     return module
 
 
+def run_under_ascii_locale(script: str, *args: str):
+    """Run `python -c script args` under an ASCII locale (C, with neither UTF-8 mode nor locale
+    coercion): a file opened without an encoding is then read and written as ASCII."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True)
+
+
 class CtrlC:
     """Stands in for `owner.name` (monkeypatched), counting its calls in `calls`; during call
     number `at` (0: none) it sends this process SIGINT, as a Ctrl-C would."""

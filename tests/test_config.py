@@ -489,12 +489,9 @@ def test_a_missing_file_from_a_preset_is_named_by_its_line(tmp_path):
 
 def test_help_reads_the_field_comments_under_any_locale():
     """Under an ASCII locale (LC_ALL=C), --help read config.py in that encoding and died on its '§'."""
-    import os
-    import subprocess
+    from conftest import run_under_ascii_locale
 
-    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-    done = subprocess.run([sys.executable, "-c", "from searchlite.config import field_help; print(len(field_help()))"],
-                          env=env, capture_output=True, text=True)
+    done = run_under_ascii_locale("from searchlite.config import field_help; print(len(field_help()))")
     assert done.returncode == 0 and int(done.stdout) > 50, done.stderr
 
 

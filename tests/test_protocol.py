@@ -200,6 +200,19 @@ def test_template_from_file(tmp_path):
         get_protocol("search_r2")
 
 
+def test_a_utf8_template_is_read_under_an_ascii_locale(tmp_path):
+    """Templates (and prompt sets, rewrite prompts, judge prompts) are UTF-8 files, whatever the locale."""
+    from conftest import run_under_ascii_locale
+
+    (tmp_path / "t.txt").write_text("Frage \u2014 {question}\nAntwort:", encoding="utf-8")
+    script = ("import sys; from searchlite.protocol import get_protocol; "
+              "print(ascii(get_protocol('search_r1', sys.argv[1]).template))")
+    done = run_under_ascii_locale(script, str(tmp_path / "t.txt"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ascii(get_protocol("search_r1", str(tmp_path / "t.txt")).template)
+    assert "Frage \\u2014 " in done.stdout  # ascii() of the em dash
+
+
 def test_default_templates_follow_the_papers():
     text = SR1.prompt("Who?")
     for tag in ("<think>", "<search>", "</search>", "<information>", "<answer>"):

@@ -1,12 +1,10 @@
 """The HTML trajectory view: policy and retrieved tokens in different colours, nothing lost."""
 
 import html
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from conftest import run_under_ascii_locale
 from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
 
 from searchlite.protocol import get_protocol
@@ -262,9 +260,7 @@ class Tok:
         return "".join(map(chr, ids))
 write_html(sys.argv[1], Ro(), Tok(), [1.0], [["Z\u00fcrich"]])
 """
-    ascii_locale = os.environ | {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "p.html")], env=ascii_locale,
-                          capture_output=True, text=True)
+    done = run_under_ascii_locale(script, str(tmp_path / "p.html"))
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "p.html").read_bytes().decode("utf-8")
     assert "<meta charset='utf-8'>" in page
