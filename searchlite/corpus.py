@@ -24,7 +24,7 @@ import zipfile
 
 import numpy as np
 
-from searchlite.data import DataError, Passage, parse_object, passage_from_object, read_corpus, write_durably
+from searchlite.data import DataError, Passage, is_gz, parse_object, passage_from_object, read_corpus, write_durably
 
 _CHUNK = 1 << 26  # bytes read per step of the line scan
 # Bytes that can begin a character str.strip() removes (ASCII whitespace and "\n", \x1c-\x1f, and in
@@ -74,7 +74,7 @@ class Corpus:
 
     def __init__(self, path, offsets=None, progress: bool = True):
         self.path = os.fspath(path)
-        if self.path.endswith(".gz"):
+        if is_gz(self.path):
             raise DataError(f"{self.path}: a gzipped corpus cannot be read lazily; decompress it first (gunzip -k)")
         st = os.stat(self.path)
         self.stamp = [st.st_size, st.st_mtime_ns]  # what the offsets cache must match
@@ -177,7 +177,7 @@ class Corpus:
 def open_corpus(path, offsets=None):
     """A corpus path as passages: a lazy `Corpus`, or a list for a gzipped file; a DataError for
     a file without one (which a retriever would refuse without naming it)."""
-    passages = read_corpus(path) if os.fspath(path).endswith(".gz") else Corpus(path, offsets)
+    passages = read_corpus(path) if is_gz(path) else Corpus(path, offsets)
     if not len(passages):
         raise DataError(f"{path}: no passages in the corpus file")
     return passages

@@ -74,6 +74,11 @@ class QA:
     meta: dict = field(default_factory=dict)
 
 
+def is_gz(path) -> bool:
+    """Whether a data file is read as gzip: by its name, .gz in any case."""
+    return os.fspath(path).lower().endswith(".gz")
+
+
 def _open(path, mode: str, gz: bool):
     return gzip.open(path, mode) if gz else open(path, mode)
 
@@ -87,7 +92,8 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason})") from None
+        gz = "; it is gzip-compressed: name it .gz" if line_no == 1 and raw.startswith(b"\x1f\x8b") else ""
+        raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e.reason}){gz}") from None
     if line_no == 1:
         line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
     if not line.strip():
@@ -95,16 +101,35 @@ def parse_object(raw: bytes, path, line_no: int) -> dict | None:
     try:
         obj = json.loads(line, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        why = ("the line ends before its JSON does (cut off?)" if e.pos >= len(line.rstrip())
-               else f"{e.msg} (column {e.colno})")
-        if line_no == 1 and line.strip() in ("[", "{"):  # json.dump(..., indent=2), not one object a line
-            why = "the file looks like one JSON document written over many lines; JSONL holds one object a line"
+        cut = e.pos >= len(line.rstrip()) or e.msg.startswith("Unterminated string")  # (e.pos: where it opened)
+        why = "the line ends before its JSON does (cut off?)" if cut else f"{e.msg} (column {e.colno})"
+        if line_no == 1 and (line.strip() == "{" or line.lstrip().startswith("[")):  # json.dump(..., indent=2)
+            why = "the file looks like one JSON document (an array?) over many lines; JSONL holds one object a line"
         raise DataError(f"{path}:{line_no}: bad JSON: {why}") from None
     except ValueError as e:  # NaN / Infinity (not JSON), an integer past Python's digit limit
         raise DataError(f"{path}:{line_no}: bad JSON: {e}") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+    if ("\\ud" in line or "\\uD" in line) and (bad := _lone_surrogate(obj)):  # only a \uD8xx-\uDFxx escape makes one
+        where, ch = bad
+        raise DataError(f"{path}:{line_no}: {where} holds \\u{ord(ch):04x}, half of a UTF-16 surrogate pair and no "
+                        "character (no tokenizer or UTF-8 file takes it); replace it, e.g. with \\ufffd")
     return obj
+
+
+def _lone_surrogate(value, where: str = "") -> tuple[str, str] | None:
+    """(field, character) of the first unpaired surrogate in the strings of a JSON value, or None."""
+    if isinstance(value, str):
+        bad = next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+        return (where or "the line", bad) if bad else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and (bad := _lone_surrogate(k, where or "a field name")):
+            return bad
+        name = f"field '{k}'" if not where else f"{where}[{k!r}]"
+        if bad := _lone_surrogate(v, name):
+            return bad
+    return None
 
 
 def _objects(path) -> Iterator[tuple[int, dict]]:
@@ -115,7 +140,7 @@ def _objects(path) -> Iterator[tuple[int, dict]]:
     the scripts report in one line (train.py catches DataError only) instead of a traceback."""
     line_no = 0  # the last line read whole; the damage is met while reading line_no + 1
     try:
-        with _open(path, "rb", str(path).endswith(".gz")) as f:
+        with _open(path, "rb", is_gz(path)) as f:
             for line_no, raw in enumerate(f, 1):
                 obj = parse_object(raw, path, line_no)
                 if obj is not None:
@@ -131,6 +156,11 @@ def _id(obj: dict, path, line_no: int) -> str:
     if isinstance(v, bool) or not isinstance(v, (str, int)):
         raise DataError(f"{path}:{line_no}: field 'id' must be a string or integer, got {type(v).__name__}")
     return str(v)
+
+
+def _duplicate_id(path, line_no: int, obj: dict, pid: str, first: int) -> DataError:
+    own = "" if "id" in obj else f"; this line has no 'id' field, so it takes its line index, {pid}"
+    return DataError(f"{path}:{line_no}: duplicate id {pid!r} (first on line {first}{own})")
 
 
 def _str(obj: dict, key: str, path, line_no: int, required: bool = True) -> str:
@@ -169,7 +199,7 @@ def read_corpus(path) -> list[Passage]:
     for line_no, obj in _objects(path):
         p = passage_from_object(obj, path, line_no)
         if p.id in first_seen:
-            raise DataError(f"{path}:{line_no}: duplicate id {p.id!r} (first on line {first_seen[p.id]})")
+            raise _duplicate_id(path, line_no, obj, p.id, first_seen[p.id])
         first_seen[p.id] = line_no
         passages.append(p)
     return passages
@@ -219,7 +249,7 @@ def read_qa(path, unique_ids: bool = False) -> list[QA]:
     for line_no, obj in _objects(path):
         qid = _id(obj, path, line_no)
         if unique_ids and qid in first_seen:
-            raise DataError(f"{path}:{line_no}: duplicate id {qid!r} (first on line {first_seen[qid]})")
+            raise _duplicate_id(path, line_no, obj, qid, first_seen[qid])
         first_seen[qid] = line_no
         question = _str(obj, "question", path, line_no)
         if not question.strip():
@@ -245,7 +275,7 @@ def write_jsonl(path, rows: Iterable[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:
-        gz = path.name.endswith(".gz")  # the header names the file, not its temporary name
+        gz = is_gz(path.name)  # the header names the file, not its temporary name
         with gzip.GzipFile(path.name[:-3], "wb", fileobj=f) if gz else contextlib.nullcontext(f) as out:
             for row in rows:
                 out.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))

@@ -68,6 +68,7 @@ GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]})
 
 @pytest.mark.parametrize("reader,good,bad,words", [
     (read_corpus, GOOD_C, '{"id": "2", "contents": ', "bad JSON: the line ends before its JSON does (cut off?)"),
+    (read_corpus, GOOD_C, '{"id": "2", "conte', "bad JSON: the line ends before its JSON does (cut off?)"),  # in a string
     (read_corpus, GOOD_C, '{"id": "2" "contents": "x"}', "bad JSON: Expecting ',' delimiter (column 12)"),
     (read_corpus, GOOD_C, '["not", "an", "object"]', "JSON object"),
     (read_corpus, GOOD_C, '{"id": "2"}', "contents"),
@@ -108,6 +109,29 @@ def test_invalid_utf8_names_line(tmp_path):
     p.write_bytes(GOOD_C.encode() + b"\n" + b'{"id": "2", "contents": "\xff"}\n')
     with pytest.raises(DataError, match=r":2: not valid UTF-8"):
         read_corpus(p)
+    (tmp_path / "c.jsonl").write_bytes(gzip.compress(GOOD_C.encode() + b"\n"))  # gzip under a plain name
+    with pytest.raises(DataError, match=r"c.jsonl:1: not valid UTF-8 \(.*\); it is gzip-compressed: name it .gz$"):
+        read_corpus(p)
+    (tmp_path / "C.JSONL.GZ").write_bytes(gzip.compress(GOOD_C.encode() + b"\n"))
+    assert [x.id for x in read_corpus(tmp_path / "C.JSONL.GZ")] == ["1"]
+
+
+def test_an_unpaired_surrogate_escape_names_line_and_field(tmp_path):
+    """JSON's "\\ud83d" alone parses to half a UTF-16 pair: it failed later, in the tokenizer or a
+    UTF-8 log, with no file or line. A pair (how json.dumps writes an emoji) is one character."""
+    from searchlite.corpus import Corpus
+
+    pair = '{"id": "1", "question": "smile \\ud83d\\ude00", "golden_answers": ["x"]}'
+    alone = '{"id": "2", "question": "who", "golden_answers": ["x", "half \\uD83D"]}'
+    q = _write_lines(tmp_path / "q.jsonl", [pair, alone])
+    with pytest.raises(DataError, match=r"q.jsonl:2: field 'golden_answers'\[1\] holds \\ud83d, half of a UTF-16 "
+                                        r"surrogate pair"):
+        read_qa(q)
+    assert read_qa(_write_lines(tmp_path / "ok.jsonl", [pair]))[0].question == "smile \U0001f600"
+    c = _write_lines(tmp_path / "c.jsonl", [GOOD_C, '{"id": "2", "contents": "\\"T\\"\\ncut \\udc00"}'])
+    for read in (read_corpus, lambda p: list(Corpus(p))):
+        with pytest.raises(DataError, match=r"c.jsonl:2: field 'contents' holds \\udc00"):
+            read(c)
 
 
 def _damaged_gz(kind, good):
@@ -255,9 +279,18 @@ def test_a_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch):
     lock.close()
 
 
+def test_a_line_without_an_id_that_collides_says_where_its_id_came_from(tmp_path):
+    p = _write_lines(tmp_path / "q.jsonl", [GOOD_Q, '{"question": "q2?", "answer": "a"}'])  # line 2: id "1"
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: duplicate id '1' (first on line 1; this line has no 'id' "
+                                                  "field, so it takes its line index, 1)")):
+        read_qa(p, unique_ids=True)
+
+
 def test_a_pretty_printed_json_file_is_named_as_such(tmp_path):
     """It was 'the line ends before its JSON does (cut off?)', which sent users looking for a cut file."""
-    (tmp_path / "qa.json").write_text('[\n  {"question": "q?", "golden_answers": ["a"]}\n]\n')
-    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'qa.json'}:1: bad JSON: the file looks like one JSON "
-                                                  "document written over many lines; JSONL holds one object a line")):
-        read_qa(tmp_path / "qa.json")
+    for head in ("[", '[{"question": "q?", "golden_answers": ["a"]},'):  # an array, its objects a line each
+        (tmp_path / "qa.json").write_text(head + '\n  {"question": "q?", "golden_answers": ["a"]}\n]\n')
+        with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'qa.json'}:1: bad JSON: the file looks like one "
+                                                      "JSON document (an array?) over many lines; JSONL holds one "
+                                                      "object a line")):
+            read_qa(tmp_path / "qa.json")
