@@ -196,13 +196,16 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text(?:bf|it|rm|sf|tt|sc|sl|up|md|normal)?|mat
 # LaTeX spaces: a tie (~) and the spacing commands \ , \, \; \: are a space in the answer, where
 # normalisation would delete them as punctuation and join the words ("Barack~Obama")
 _LATEX_SPACE = re.compile(r"~|\\[ ,;:]")
+# ...except between digit groups: 1\,000 is a thousands separator, one number as 1{,}000 is
+_DIGIT_GROUP = re.compile(r"(?<=\d)(?:~|\\[ ,;:])(?=\d{3}(?!\d))")
 
 
 def _unwrap_text(s: str) -> str:
     """`s` with every style wrapper (`_TEXT_WRAPPER`: `\\text{x}`, `\\textbf{x}`, `\\emph{x}`,
     `\\mathrm{x}`, ...) replaced by x, nested ones too, and LaTeX's spaces (`~`, `\\,`, ...) by a
-    space; other braces are kept. Braces are matched as in `_last_boxed` (one pass with a stack,
-    no recursion); `s` unchanged if a wrapper is unclosed.
+    space (by a comma between digit groups: `1\\,000` is 1,000); other braces are kept. Braces
+    are matched as in `_last_boxed` (one pass with a stack, no recursion); `s` unchanged if a
+    wrapper is unclosed.
 
     >>> _unwrap_text("\\\\text{New} \\\\textbf{\\\\mathrm{York}} {x}")
     'New York {x}'
@@ -223,7 +226,7 @@ def _unwrap_text(s: str) -> str:
             continue
         out.append(s[i])
         i += 1
-    return s if any(stack) else _LATEX_SPACE.sub(" ", "".join(out))
+    return s if any(stack) else _LATEX_SPACE.sub(" ", _DIGIT_GROUP.sub(",", "".join(out)))
 
 
 def _read_template(path: str | Path, name: str) -> str:

@@ -151,6 +151,9 @@ def test_r1_searcher_pp_cases(text, expect):
     (r"\boxed{\mathit{\textsf{Lima}}}", "Lima"),
     (r"\boxed{Barack~Obama}", "Barack Obama"),  # a tie is a space (normalized "barackobama" before)
     (r"\boxed{\text{New\ York\,City}}", "New York City"),  # and so are \  and \,
+    (r"\boxed{1\,000\,000}", "1,000,000"),  # between digit groups: a thousands separator ("1 000 000" before)
+    (r"\boxed{12\;500~km}", "12,500 km"),
+    (r"\boxed{3\,14}", "3 14"),  # not a group of three: a space
     (r"\boxed{\mathbb{R}}", r"\mathbb{R}"),  # not a text style: left alone
     (r"\boxed{\texts{Paris}}", r"\texts{Paris}"),  # a longer command name is not \text
     (r"\boxed{\text{}}", None),  # nothing left: no answer
