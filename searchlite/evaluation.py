@@ -51,8 +51,9 @@ from .rollout import rollout
 METHODS = ("direct", "cot", "rag", "search")
 # What scoring a record means, kept in a run's settings: records scored otherwise are not mixed in on a resume.
 SCORING = ("cover-EM without a word cap, punctuation deleted or spaced; a baseline's unclosed <answer> stripped; "
-           "\\boxed{} style wrappers and LaTeX spaces read as text; a baseline's answer before a question of its "
-           "own, after the last 'the answer is' (cot) or a bold label, \\boxed{} unwrapped")
+           "\\boxed{} style wrappers and LaTeX spaces read as text, digit groups as one number; a baseline's "
+           "answer before a question of its own, after the last 'the answer is' (cot) or a bold label, \\boxed{} "
+           "unwrapped")
 SAVE_EVERY = 60.0  # seconds between saves of re-judged records (each rewrites records.jsonl)
 METRICS = ("em", "f1", "cover_em", "searches", "answered", "length")  # (+ "judge" when every record has one)
 PLACEHOLDERS = {"direct": ("{question}",), "cot": ("{question}",), "rag": ("{question}", "{documents}")}
