@@ -169,7 +169,8 @@ def _check_corpus(folder, settings: dict, passages) -> None:
 class BM25Retriever(Retriever):
     """Okapi BM25 over `title + text` with bm25s's tokenizer and Lucene scoring: the "bm25s"
     backend is searchlite.bm25's streaming, memory-mappable index (bm25s's file layout);
-    "rank_bm25" is the pure-Python package, slower, for comparison on small corpora.
+    "rank_bm25" is the pure-Python package, slower, for comparison on small corpora (its own
+    Okapi idf and term weight, not Lucene's: it can rank otherwise).
     `index` is a prebuilt `BM25Index` to use instead of indexing `passages`. `k1` and `b` are
     bm25s's defaults; Search-R1's BM25 server (Pyserini) scores with k1 = 0.9, b = 0.4."""
 

@@ -70,7 +70,8 @@ def world_texts(world, seed: int = 0) -> list[str]:
     texts = [f'"{t}"\n{x}' for t, x in docs.values()] + PHRASES * 10 + read_templates()
     questions = world.train + world.test
     texts += [q["question"] for q in questions] + [a for q in questions for a in q["golden_answers"]]
-    texts += [" ".join(str(y) for y in range(1700, 2030))] * 4  # every year after a space one token
+    # years as passages write them, after a space: each year the world uses comes out one token
+    texts += [" ".join(str(y) for y in range(1700, 2030))] * 4
     for q in questions[::4]:  # a quarter is plenty for the statistics of the trajectory words
         r1, pp = [], []
         for hop in q["hops"]:
