@@ -387,6 +387,11 @@ def test_bad_data_line_stops_the_run_before_any_model_loads(tiny_model, tmp_path
     data.write_text("\n")  # no questions at all
     with pytest.raises(SystemExit, match=rf"error: --train_data {data}: no questions in the file"):
         train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--train_data", str(data)]))
+    assert not (tmp_path / "out").exists()  # the folder it made for its lock is gone again (run.lock was left)
+    (tmp_path / "kept").mkdir()  # a folder that was there before the run stays
+    with pytest.raises(SystemExit, match=r"no questions in the file"):
+        train.main(args(tiny_model, tmp_path / "kept", "grpo", extra=["--train_data", str(data)]))
+    assert (tmp_path / "kept").is_dir()
 
 
 def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
