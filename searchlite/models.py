@@ -387,18 +387,26 @@ def lock_run(out):
 
 def set_aside(out: Path, names) -> list[str]:
     """Rename the entries `names` of `out` that exist to their `.previous` form (checkpoint ->
-    checkpoint.previous, config.json -> config.previous.json), replacing an older such set; a
-    fresh run in a folder of an earlier one keeps all of it this way. Returns "a -> b" for each."""
-    moved = []
-    for name in names:
-        if (out / name).exists():
-            stem, dot, ext = name.partition(".")
-            target = out / ("checkpoint.previous" if stem == "checkpoint" else f"{stem}.previous{dot}{ext}")
-            if target.is_dir():
+    checkpoint.previous, config.json -> config.previous.json), replacing the whole older such set
+    of `names`; a fresh run in a folder of an earlier one keeps all of it this way. Returns "a -> b"
+    for each entry moved."""
+
+    def previous(name: str) -> Path:
+        stem, dot, ext = name.partition(".")
+        return out / ("checkpoint.previous" if stem == "checkpoint" else f"{stem}.previous{dot}{ext}")
+
+    names = list(names)
+    present = [name for name in names if (out / name).exists()]
+    if present:  # the older set goes whole: none of its entries may stay beside this one's (another run's page)
+        for name in names:
+            target = previous(name)
+            if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
-            (out / name).replace(target)
-            moved.append(f"{name} -> {target.name}")
-    return moved
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+    for name in present:
+        (out / name).replace(previous(name))
+    return [f"{name} -> {previous(name).name}" for name in present]
 
 
 def find_checkpoint(out_dir) -> Path | None:

@@ -298,6 +298,26 @@ def test_a_second_run_in_a_folder_in_use_is_refused(tiny_model, tmp_path):
     assert (out / "checkpoint").is_dir() and lock_folder(out, "run.lock") is not None  # and main let go too
 
 
+def test_set_aside_replaces_the_older_set_whole(tmp_path):
+    """Three runs in one folder: the second one's set aside, none of the first's left among it (the
+    first run's trajectory page beside the second's config.previous.json, when only it had pages)."""
+    from searchlite.models import set_aside
+
+    names = ("checkpoint", "config.json", "trajectories")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "config.json").write_text("first")
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "step00001.html").write_text("first")
+    assert set_aside(tmp_path, names) == ["checkpoint -> checkpoint.previous", "config.json -> config.previous.json",
+                                          "trajectories -> trajectories.previous"]
+    (tmp_path / "checkpoint").mkdir()  # the second run logs no pages
+    (tmp_path / "config.json").write_text("second")
+    assert set_aside(tmp_path, names) == ["checkpoint -> checkpoint.previous", "config.json -> config.previous.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous", "config.previous.json"]
+    assert (tmp_path / "config.previous.json").read_text() == "second"
+    assert set_aside(tmp_path, names) == [] and (tmp_path / "checkpoint.previous").is_dir()  # nothing new: kept
+
+
 def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
     """A fresh run in a used folder starts metrics.jsonl anew, keeping the earlier run's
