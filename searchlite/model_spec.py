@@ -34,11 +34,11 @@ class ModelError(ValueError):
     """A --model that names no loadable model, with a message that says what to do."""
 
 
-def run_config(folder: Path) -> dict | None:
-    """The settings a train.py run (or R1-Searcher++'s stage 1) saved in folder/config.json;
-    None when there is none, or it is a model's config."""
+def run_config(folder: Path, name: str = "config.json") -> dict | None:
+    """The settings a train.py run (or R1-Searcher++'s stage 1) saved in folder/config.json (`name`:
+    config.previous.json for the run set aside); None when there is none, or it is a model's config."""
     try:
-        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        saved = json.loads((folder / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return saved if isinstance(saved, dict) and "protocol" in saved and "template" in saved else None
@@ -51,16 +51,22 @@ UNTRAINED = {"protocol": "search_r1", "template": "toy", "chat_template": True, 
 def trained_prompt(spec: str) -> tuple[dict, Path | None]:
     """({"protocol", "template", "chat_template", "max_turns"}, its config.json) of the train.py run or
     R1-Searcher++ stage 1 that --model names (the run folder, its checkpoint/policy, or stage 1's
-    model); ({}, None) otherwise, and for a name that is no folder or file here (a hub name,
-    'smollm2'), whose parents would be the working folder."""
+    model; in checkpoint.previous or model.previous, the run set aside, its config.previous.json);
+    ({}, None) otherwise, and for a name that is no folder or file here (a hub name, 'smollm2'),
+    whose parents would be the working folder."""
     path = Path(resolve_path(spec))
     if not path.exists():
         return {}, None
     path = path.resolve()
     for folder in (path, path.parent, path.parent.parent):
-        saved = run_config(folder)
+        name = "config.json"
+        if folder.name in ("checkpoint.previous", "model.previous"):  # a run set aside: its settings went with it
+            folder, name = folder.parent, "config.previous.json"
+        saved = run_config(folder, name)
         if saved is not None:
-            return {k: saved[k] for k in PROMPT_SETTINGS if k in saved}, folder / "config.json"
+            return {k: saved[k] for k in PROMPT_SETTINGS if k in saved}, folder / name
+        if name != "config.json":
+            return {}, None  # not the newer run's config.json beside it
     return {}, None
 
 

@@ -41,6 +41,28 @@ def test_a_stage1_folder_and_names_that_are_no_path(tmp_path, monkeypatch):
         assert model_spec.trained_prompt(name) == ({}, None), name
 
 
+def test_a_run_set_aside_is_asked_as_it_was_trained(tmp_path):
+    """checkpoint.previous/policy took the newer run's config.json beside it (search_r1 and 4 turns
+    for a policy trained with r1_searcher_pp and 8): its own settings are config.previous.json."""
+    run = tmp_path / "run"
+    for ckpt in ("checkpoint", "checkpoint.previous"):
+        (run / ckpt / "policy").mkdir(parents=True)
+        (run / ckpt / "policy" / "config.json").write_text("{}")
+    newer = {"protocol": "search_r1", "template": "toy", "max_turns": 4}
+    older = {"protocol": "r1_searcher_pp", "template": "toy", "max_turns": 8}
+    (run / "config.json").write_text(json.dumps(newer))
+    (run / "config.previous.json").write_text(json.dumps(older))
+    assert model_spec.trained_prompt(str(run / "checkpoint" / "policy")) == (newer, run / "config.json")
+    for name in ("checkpoint.previous", "checkpoint.previous/policy"):
+        assert model_spec.trained_prompt(str(run / name)) == (older, run / "config.previous.json")
+    (run / "config.previous.json").unlink()  # its settings lost: none, not the newer run's
+    assert model_spec.trained_prompt(str(run / "checkpoint.previous" / "policy")) == ({}, None)
+    (tmp_path / "s1" / "model.previous").mkdir(parents=True)  # stage 1's, set aside
+    (tmp_path / "s1" / "config.json").write_text(json.dumps(newer))
+    (tmp_path / "s1" / "config.previous.json").write_text(json.dumps(older))
+    assert model_spec.trained_prompt(str(tmp_path / "s1" / "model.previous"))[0] == older
+
+
 def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
