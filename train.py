@@ -608,7 +608,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 break
     if dist.is_main():
         metrics_file.close()
-        if not stop.requested:
+        if not stop.requested and find_checkpoint(out) is None:  # --steps 0: an evaluation only
+            print(f"done: nothing trained, so no model saved; {out / 'metrics.jsonl'} and {out / 'eval'} hold the "
+                  f"step-0 evaluation of {cfg.model}", flush=True)
+        elif not stop.requested:
             print(f"done: {out / 'checkpoint' / 'policy'} holds the step-{max(start, cfg.steps)} model, "
                   f"{out / 'metrics.jsonl'} its log (python evaluate.py --model {out})", flush=True)
     sampler.close()  # vLLM: the engine shuts down before the process group it uses is destroyed

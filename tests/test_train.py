@@ -361,6 +361,15 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
 
 
+def test_a_run_of_no_steps_says_it_saved_no_model(tiny_model, tmp_path, capsys):
+    """--steps 0 (an evaluation of the starting model) said checkpoint/policy held the step-0 model."""
+    train.main(args(tiny_model, tmp_path / "run", "grpo", steps=0))
+    printed = capsys.readouterr().out
+    assert f"done: nothing trained, so no model saved; {tmp_path / 'run' / 'metrics.jsonl'}" in printed
+    assert "holds the step" not in printed and not (tmp_path / "run" / "checkpoint").exists()
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0]
+
+
 def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_model, tmp_path):
     """A save that died before removing checkpoint.old leaves it beside checkpoint: the earlier run set
     aside, a fresh run that has not saved yet (here: --steps 0) must not leave that copy for --resume."""
