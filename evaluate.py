@@ -52,7 +52,8 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, resolve_path
+from searchlite.config import (ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, not_a_folder,
+                               resolve_path)
 from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
@@ -440,8 +441,8 @@ def evaluate(args, held: ExitStack) -> dict:
         setup = (settings(args, source, protocol, prompts) | {"data": files}
                  | fingerprints(source, corpus_used(args), files, args.index, encoder_used(args)))
         marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
-        if out.is_file():
-            raise EvalError(f"--out {out} is a file; expected a folder (made if missing)")
+        if why := not_a_folder("--out", out):
+            raise EvalError(why)
         held.enter_context(lock_out(out))  # before anything in --out is read or written
         check_settings(out, setup, args.overwrite, marks_nothing)
         log = RecordLog(out / "records.jsonl")  # a damaged line is a DataError, named here before the model loads

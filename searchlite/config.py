@@ -399,6 +399,16 @@ def is_hub_name(spec: str) -> bool:
             and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
+def not_a_folder(flag: str, path) -> str | None:
+    """Why `path` cannot be made a folder (it, or a folder above it, is a file), or None."""
+    path = Path(path)
+    afile = next((p for p in (path, *path.parents) if p.is_file()), None)
+    if afile is None:
+        return None
+    within = "" if afile == path else f" is within {afile}, which"
+    return f"{flag} {path}{within} is a file; expected a folder (made if missing)"
+
+
 def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     """Raise ConfigError for a value no run can use, before any model or data is loaded: an
     unknown choice, a count out of range, a missing file, settings that contradict each other.
@@ -482,8 +492,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
             raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)}: no such file")
         if used(name) and name != "index" and Path(resolve_path(getattr(cfg, name))).is_dir():
             raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)} is a folder; expected a JSONL file")
-    if used("out_dir") and cfg.out_dir and Path(cfg.out_dir).is_file():
-        raise ConfigError(f"--out_dir {cfg.out_dir} is a file; expected a folder (made if missing)")
+    if used("out_dir") and cfg.out_dir and (why := not_a_folder("--out_dir", cfg.out_dir)):
+        raise ConfigError(why)
     if cfg.retriever == "http" and not cfg.retriever_url:
         raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
                           "http://127.0.0.1:8000; start one with python retrieve.py serve)")

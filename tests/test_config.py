@@ -259,6 +259,8 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--train_data", "nowhere/train.jsonl"), "--train_data nowhere/train.jsonl: no such file"),
     (("--corpus", "searchlite"), "--corpus searchlite is a folder; expected a JSONL file"),  # run in the repo root
     (("--out_dir", "configs.toml"), "--out_dir configs.toml is a file; expected a folder"),
+    (("--out_dir", "configs.toml/run"), "--out_dir configs.toml/run is within configs.toml, which is a file; "
+                                        "expected a folder"),  # was a NotADirectoryError traceback
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--model", "toy/model/.."), "--model toy/model/..: no config.json or adapter_config.json in that folder; the model is in "),
     (("--model", "toy/train.jsonl"), "--model toy/train.jsonl is a file; expected a Hugging Face model folder"),

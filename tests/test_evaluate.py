@@ -374,6 +374,9 @@ def test_a_file_for_out_or_a_missing_corpus_is_named_with_its_flag(world, tmp_pa
     afile.write_text("")
     with pytest.raises(SystemExit, match=f"^error: --out {re.escape(str(afile))} is a file; expected a folder"):
         evaluate.main(cli(world, afile, "--methods", "direct"))
+    with pytest.raises(SystemExit, match=f"^error: --out {re.escape(str(afile / 'x'))} is within {re.escape(str(afile))}"
+                                         ", which is a file"):  # was a NotADirectoryError traceback
+        evaluate.main(cli(world, afile / "x", "--methods", "direct"))
     missing = tmp_path / "missing.jsonl"  # was: "[Errno 2] No such file or directory: ..."
     with pytest.raises(SystemExit, match=f"^error: --corpus {re.escape(str(missing))}: no such file"):
         evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--corpus", str(missing)))
