@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import random
 import re
 import shutil
@@ -36,7 +35,7 @@ import torch
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
 from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
-from searchlite.data import DataError, read_log, read_qa, write_jsonl
+from searchlite.data import DataError, json_line, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
@@ -314,6 +313,11 @@ def train(argv, held: contextlib.ExitStack) -> None:
         except ConfigError as e:
             sys.exit(f"error: {e}")
     found = find_checkpoint(out)
+    if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():
+        try:  # the log a resume keeps: a damaged line is named now, not after the models have loaded
+            read_log(out / "metrics.jsonl", cut=False)
+        except DataError as e:
+            sys.exit(f"error: {e}")
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
         print(f"config:\n{format_config(cfg)}", flush=True)
     random.seed(cfg.seed)
@@ -455,13 +459,13 @@ def train(argv, held: contextlib.ExitStack) -> None:
         rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
         write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
         for path in [*out.glob("eval/step_*.jsonl"), *out.glob("trajectories/step*.html")]:  # and so do these:
-            if int(re.match(r"step_?(\d+)", path.name)[1]) > start:  # steps past it were another run's policy
+            if (m := re.match(r"step_?(\d+)", path.name)) and int(m[1]) > start:  # past it: another run's policy
                 path.unlink()
     metrics_file = open(out / "metrics.jsonl", "a") if dist.is_main() else None
     if first_eval is not None:
         save_eval(0, first_eval[1])
         if dist.is_main():
-            metrics_file.write(json.dumps({"step": 0, **{f"eval/{k}": v for k, v in first_eval[0].items()}}) + "\n")
+            metrics_file.write(json_line({"step": 0, **{f"eval/{k}": v for k, v in first_eval[0].items()}}))
             metrics_file.flush()
 
     # Ctrl-C: the step finishes, is checkpointed, and the run stops (a second Ctrl-C: at once)
@@ -568,7 +572,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 save_eval(step + 1, records)
                 row.update({f"eval/{k}": v for k, v in scores_by_type.items()})
             if dist.is_main():
-                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.write(json_line(row))
                 metrics_file.flush()
             if cfg.log_trajectories_every and (step + 1) % cfg.log_trajectories_every == 0 and dist.is_main():
                 from searchlite.view import write_html

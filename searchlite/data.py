@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import os
 import warnings
 import zlib
@@ -316,6 +317,16 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def json_line(record: dict) -> str:
+    """`record` as one JSON line, a float that is not finite (NaN, inf: not JSON) written as null."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return {k: finite(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return json.dumps(finite(record)) + "\n"
 
 
 def read_log(path, cut: bool = True, need: tuple[str, ...] = (), check=None) -> list[dict]:

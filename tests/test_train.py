@@ -400,6 +400,32 @@ def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch):
     assert (out / "checkpoint" / "policy" / "model.safetensors").read_bytes() == saved
 
 
+def test_a_resume_names_a_damaged_log_before_loading_and_passes_over_stray_files(tiny_model, tmp_path, monkeypatch):
+    """A NaN in metrics.jsonl (which json.dumps wrote for a NaN kl) stopped --resume with a DataError
+    traceback after the models had loaded; a file of another name in eval/ with a TypeError."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([rows[0], rows[1].replace('"kl": ', '"kl": NaN, "was": ')]) + "\n")
+    load = train.load_policy
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the log was read"))
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(out / 'metrics.jsonl'))}:2: bad JSON: NaN is not"):
+        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
+    monkeypatch.setattr(train, "load_policy", load)
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (out / "eval" / "step_best.jsonl").write_text("")  # a user's file
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2] and (out / "eval" / "step_best.jsonl").exists()
+
+
+def test_a_metric_that_is_not_finite_is_logged_as_null():
+    from searchlite.data import json_line
+
+    line = json_line({"step": 3, "kl": float("nan"), "eval/all": {"em": float("inf"), "searches": 1.5}, "n": 2})
+    assert json.loads(line) == {"step": 3, "kl": None, "eval/all": {"em": None, "searches": 1.5}, "n": 2}
+    assert line.endswith("}\n") and "NaN" not in line and "Infinity" not in line
+
+
 def test_bad_flag_exits_with_message(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"did you mean 'group'"):
         train.main(["--grup", "5"])
