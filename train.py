@@ -40,9 +40,9 @@ from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.model_spec import weights_digest
-from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, load_policy, load_trainer_state,
-                               lock_run, make_optimizer, pick_device, reuse_freed_memory, rng_state, run_tokenizer,
-                               save_checkpoint, set_aside, set_rng_state, trained_logprobs)
+from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, interrupted_status, load_policy,
+                               load_trainer_state, lock_run, make_optimizer, pick_device, reuse_freed_memory,
+                               rng_state, run_tokenizer, save_checkpoint, set_aside, set_rng_state, trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -626,7 +626,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C before the training loop, or a second one inside it
+    except KeyboardInterrupt as e:  # Ctrl-C before the training loop, or a second signal inside it
         sys.stderr.write("\ninterrupted: the last checkpoint, if there is one, is intact (--resume continues "
                          "from it); nothing after it was saved\n")
-        sys.exit(130)
+        sys.exit(interrupted_status(e))  # 130, or 143 after a second SIGTERM

@@ -287,6 +287,19 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class StopNow(KeyboardInterrupt):
+    """A second signal inside `GracefulStop`: stop at once, with the exit status of `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted_status(e: KeyboardInterrupt) -> int:
+    """The exit status after an interrupt: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + getattr(e, "signum", signal.SIGINT)
+
+
 class GracefulStop:
     """Inside `with GracefulStop() as stop:`, Ctrl-C (SIGINT) or SIGTERM (a scheduler's
     preemption) only sets `stop.requested`: the loop checkpoints at the end of its step and
@@ -321,7 +334,7 @@ class GracefulStop:
         if self.requested:
             if self.torchrun and signum == self.signum and now - self.at < self.REPEAT_SECONDS:
                 return  # the scheduler's copy and torchrun's of one request
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.requested, self.signum, self.at = True, signum, now
         if self.announce:
             print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; send it again "

@@ -515,6 +515,12 @@ def main(argv=None) -> None:
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:  # Ctrl-C while sampling, or a second signal during the SFT
+        from .models import interrupted_status
+
+        sys.stderr.write("\ninterrupted: rejection_sampling.jsonl keeps each finished sampling batch and "
+                         "sft_state.pt the SFT's last save; rerun with --resume to continue\n")
+        sys.exit(interrupted_status(e))
 
 
 if __name__ == "__main__":

@@ -540,6 +540,22 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
         r1pp.main([*flags, "--out_dir", str(part), "--resume", "--sft_epochs", "3"])
 
 
+def test_stage1_stopped_while_sampling_says_what_is_kept(tiny_model, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C during rejection sampling ended in a KeyboardInterrupt traceback; it says what is
+    kept and exits 130, and --resume samples only the batches still missing."""
+    from conftest import CtrlC
+
+    flags = ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--sft_questions", "4", "--group", "2",
+             "--batch_size", "2", "--sft_batch_size", "4", "--sft_rewrites", "0", "--out_dir", str(tmp_path)]
+    ctrl_c = CtrlC(monkeypatch, r1pp, "rollout", at=2)  # during the second batch
+    with pytest.raises(SystemExit) as stopped:
+        r1pp.main(flags)
+    assert stopped.value.code == 130
+    assert "interrupted: rejection_sampling.jsonl keeps each finished sampling batch" in capsys.readouterr().err
+    r1pp.main([*flags, "--resume"])
+    assert ctrl_c.calls == 3 and (tmp_path / "model" / "model.safetensors").exists()  # the first batch not again
+
+
 def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--sft_rewrites needs --cold_start_sampler teacher"):
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path),

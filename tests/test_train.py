@@ -218,10 +218,10 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
     """The first SIGTERM only sets `requested`; a second one stops at once; leaving the block puts
     the previous handlers back, even when it raises; then the exit status is 128 + 15."""
-    from searchlite.models import GracefulStop
+    from searchlite.models import GracefulStop, interrupted_status
 
     before, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
+    with pytest.raises(KeyboardInterrupt) as second, GracefulStop() as stop:
         assert not stop.requested
         stop.exit_if_requested("not printed")  # nothing asked yet: returns
         os.kill(os.getpid(), signal.SIGTERM)
@@ -232,6 +232,8 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     with pytest.raises(SystemExit) as stopped:
         stop.exit_if_requested("rerun with --resume")
     assert stopped.value.code == 128 + 15
+    # train.py's exit status when the second signal stopped it at once: 143 as the first's, not Ctrl-C's 130
+    assert interrupted_status(second.value) == 128 + 15 and interrupted_status(KeyboardInterrupt()) == 130
     out = capsys.readouterr().out
     assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
