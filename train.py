@@ -156,7 +156,11 @@ def check_resume(cfg, digest: dict | None = None) -> list[str]:
     ckpt = find_checkpoint(cfg.out_dir) if cfg.resume else None
     if ckpt is None:
         return []
-    state = load_trainer_state(ckpt, mmap=True)
+    try:
+        state = load_trainer_state(ckpt, mmap=True)
+    except (RuntimeError, EOFError, OSError) as e:  # a file damaged outside (saves are whole or not at all)
+        raise ConfigError(f"--resume: {ckpt / 'trainer.pt'} cannot be read ({str(e).splitlines()[0]}); resume "
+                          "from a copy of the folder, or rerun without --resume to start over") from None
     saved = state["config"]
     if "master_weights" not in saved and saved.get("dtype") != "float32":  # saved before the field: bf16 weights
         saved = {**saved, "master_weights": False}  # so a resume names the change (twice the weight memory)

@@ -420,6 +420,15 @@ def test_a_resume_names_a_damaged_log_before_loading_and_passes_over_stray_files
     assert [r["step"] for r in metrics(out)] == [0, 1, 2] and (out / "eval" / "step_best.jsonl").exists()
 
 
+def test_a_damaged_trainer_state_is_named_on_resume(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    state = out / "checkpoint" / "trainer.pt"
+    state.write_bytes(state.read_bytes()[:200])  # damaged outside the program: was a torch.load traceback
+    with pytest.raises(SystemExit, match=rf"^error: --resume: {re.escape(str(state))} cannot be read \(.*\); resume"):
+        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
+
+
 def test_a_metric_that_is_not_finite_is_logged_as_null():
     from searchlite.data import json_line
 
