@@ -13,7 +13,7 @@ memory allocated, and the bytes of optimizer state. Every child imports bitsandb
 (when installed), so the baseline of loaded libraries is the same for all.
 
 The toy model has 1.4M parameters: AdamW's fp32 states are ~10 MiB of a process that peaks near
-1.7 GiB on CPU, so its rows differ by little. `--model random:HIDDENxLAYERS` builds a random
+840 MiB on CPU (README), so its rows differ by little. `--model random:HIDDENxLAYERS` builds a random
 Llama of that size over the toy tokenizer (saved to a temporary folder; MLP 8/3 x hidden,
 64-wide heads), where optimizer states, gradients, the reference copy and activations are large
 enough to compare. A random model's rollouts are noise that runs every turn to

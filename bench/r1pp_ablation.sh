@@ -14,6 +14,8 @@
 #
 # Each run's test EM and retrieval calls per question (by question type) are in its
 # metrics.jsonl (the last row's eval/ keys); bench/r1pp_table.py prints them as a table.
+# Each run uses one thread (OMP_NUM_THREADS=1 unless set), as the recorded results were measured:
+# another thread count moves float rounding, and over 60 steps the sampled tokens.
 set -euo pipefail
 if [ $# -gt 0 ]; then  # it takes no arguments: --help (or anything else) prints the header above
   sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -21,6 +23,7 @@ if [ $# -gt 0 ]; then  # it takes no arguments: --help (or anything else) prints
 fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a run, as bench/r1pp_results.md was measured
 "$PYTHON" -m searchlite.r1pp stage1 --preset toy-r1pp-sft --resume
 run() { name=$1; shift; echo "== $name"; "$PYTHON" train.py --preset toy-r1pp --out_dir "runs/r1pp-$name" --resume "$@"; }
 run full

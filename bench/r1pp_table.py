@@ -190,8 +190,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for i, run in enumerate(runs):
         files = sorted((run / "eval").glob("step_*.jsonl"))
-        for name, f in ([("stage 1 (start)", files[0])] if i == 0 and files else []) + (
-                [(run.name, files[-1])] if files else []):
+        if not files:
+            print(f"| {run.name} | (no eval/ records) | | | |")
+            continue
+        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
             records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
             rv = recall_vs_search(records, data / "test.jsonl")
             print(f"| {name}, {f.stem} | " + " | ".join(
