@@ -214,9 +214,11 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
         if old is not None and new is not None and old != new and before.get(setting) == now[setting]:
             names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
             diff.append(f"{what} changed: {', '.join(names)} in {now[setting]}")
-    old = before.get("corpus_file") or {}
-    diff += [f"the corpus {p} changed (size or modification time)"
-             for p, key in (now["corpus_file"] or {}).items() if old.get(p, key) != key]
+    old, new = before.get("corpus_file"), now["corpus_file"]  # by size and mtime, and not by path alone: a
+    if old and new and list(old.values()) != list(new.values()):  # corpus named relatively, run from another folder,
+        was, path = next(iter(old)), next(iter(new))  # is another file under the same --corpus
+        diff.append(f"the corpus {path} changed (size or modification time)" if was == path else
+                    f"the corpus {path} is not the file the records searched, {was}")
     old, paths = before.get("data_sha256", {}), before.get("data", {})
     diff += [f"--data {n}: {now['data'][n]} changed since its records were made"
              for n, h in now["data_sha256"].items() if old.get(n, h) != h and paths.get(n) == now["data"][n]]

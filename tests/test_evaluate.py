@@ -446,6 +446,23 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
     assert saved["model_files"] == {"model.safetensors": [st.st_size, st.st_mtime_ns]}
 
 
+def test_a_relative_corpus_from_another_folder_is_another_corpus(world, tmp_path, monkeypatch):
+    """--corpus corpus.jsonl run from two folders: the records of one corpus were reused beside
+    answers searched in the other, in one table (the fingerprint was keyed by the resolved path)."""
+    for name, extra in (("a", ""), ("b", "Town 99 lies on river 9.\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "corpus.jsonl").write_text((world / "corpus.jsonl").read_text() + (extra and json.dumps(
+            {"id": "99", "contents": f'"Town 99"\n{extra}'}) + "\n"))
+    args = cli(world, tmp_path / "out", "--methods", "rag", "--corpus", "corpus.jsonl")
+    monkeypatch.chdir(tmp_path / "a")
+    evaluate.main(args)
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(SystemExit, match=rf"other settings \(the corpus {re.escape(str(tmp_path / 'b' / 'corpus.jsonl'))}"
+                                         rf" is not the file the records searched, "
+                                         rf"{re.escape(str(tmp_path / 'a' / 'corpus.jsonl'))}\)"):
+        evaluate.main(args)
+
+
 def test_records_asked_without_search_r1s_question_mark_are_not_reused(world, tmp_path, capsys):
     """Runs from before Protocol.ask asked each question as written. Where a search_r1 prompt now
     adds a "?", their records are refused; where every question already ends in one, or under
