@@ -59,6 +59,10 @@ def make(args):
         dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
         kw = dense_kw if index_kind(args.index) == "dense" else {}
+        given = [f"--{k}" for k in ("encoder", "pooling", "query_prefix") if getattr(args, k) is not None]
+        if not kw and index_kind(args.index) and given:  # it was ignored without a word
+            raise ValueError(f"{' and '.join(given)}: --index {args.index} holds a {index_kind(args.index)} "
+                             "index, which encodes no queries; these flags are for a dense one")
         if kw and args.encoder:
             kw["encoder"] = args.encoder
         if kw and args.pooling is not None:  # not given: the folder's pooling

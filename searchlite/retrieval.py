@@ -547,6 +547,11 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     if pooling is not None and found == "dense" and pooling != settings.get("pooling"):
         raise ValueError(f"pooling {pooling!r}: index {folder} holds {settings.get('pooling')}-pooled passage vectors, "
                          f"which {pooling}-pooled queries would not match; leave pooling out, or build an index with it")
+    encoder = kw.get("encoder")
+    if encoder is not None and found == "dense" and encoder_name(encoder) != settings.get("encoder"):
+        warnings.warn(f"index {folder} holds passages encoded by {settings.get('encoder')}; queries will be encoded "
+                      f"by {encoder_name(encoder)}: unless that is the same model, their vectors do not match "
+                      "(leave the encoder out to take the folder's)", stacklevel=2)
     if corpus is None:
         corpus = settings.get("corpus")
         if not corpus or not os.path.isfile(corpus):

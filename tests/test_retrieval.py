@@ -469,6 +469,32 @@ def test_pooling_other_than_the_index_folders_is_refused(dense, tmp_path):
         retrieve.main(["query", "--index", str(tmp_path / "idx"), "--pooling", "cls", "Paris"])
 
 
+def test_another_encoder_than_the_index_folders_is_warned_of(dense, encoder_dir, tmp_path, recwarn):
+    """retrieve.py query --encoder B on a folder built with A searched A's passage vectors with B's
+    query vectors without a word (a copy of A elsewhere is the same model: a warning, not a refusal)."""
+    import shutil
+
+    dense.save(tmp_path / "idx")
+    build_retriever("dense", CORPUS, encoder=dense.text_encoder.name, index=str(tmp_path / "idx"))  # its own: quiet
+    build_retriever("dense", CORPUS, index=str(tmp_path / "idx"))
+    assert not [w for w in recwarn if "encoded by" in str(w.message)]
+    shutil.copytree(encoder_dir / "tiny-bert", tmp_path / "other")
+    with pytest.warns(UserWarning, match=rf"index .*idx holds passages encoded by {re.escape(dense.text_encoder.name)}; "
+                                         rf"queries will be encoded by {re.escape(str(tmp_path / 'other'))}: unless"):
+        build_retriever("dense", CORPUS, encoder=str(tmp_path / "other"), index=str(tmp_path / "idx"))
+
+
+def test_dense_flags_on_a_bm25_folder_are_refused(tmp_path):
+    """retrieve.py query --encoder / --pooling / --query_prefix on a BM25 folder were dropped without a word."""
+    import retrieve
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    retrieve.main(["build", "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "bm25")])
+    with pytest.raises(SystemExit, match=r"--pooling and --query_prefix: --index .*bm25 holds a bm25 index, which "
+                                         r"encodes no queries"):
+        retrieve.main(["query", "--index", str(tmp_path / "bm25"), "--pooling", "cls", "--query_prefix", "q: ", "x"])
+
+
 @pytest.mark.filterwarnings("ignore:encoder .* neither E5 nor BGE")  # the warning of a FAISS file without a prefix
 def test_a_faiss_file_over_another_corpus_says_which_corpus_to_give(dense, encoder_dir, tmp_path):
     """train.py --index e5_Flat.index without --corpus read the toy corpus and said only 'index holds
