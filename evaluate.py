@@ -234,8 +234,9 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
     `marks_nothing`: Protocol.ask adds "?" to none of the questions asked, so records from before
     it (which asked every question as written) were asked in today's prompts."""
     run_file, records = out / "run.json", out / "records.jsonl"
-    if overwrite:
-        records.unlink(missing_ok=True)
+    if overwrite:  # and the table made from them: an interrupted run left it beside the new run.json
+        for name in ("records.jsonl", "results.json", "table.md"):
+            (out / name).unlink(missing_ok=True)
     elif records.exists() and run_file.exists():
         try:
             before = json.loads(run_file.read_text(encoding="utf-8"))

@@ -367,6 +367,13 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
         evaluate.main(cli(world, out, "--methods", "direct,rag", "--topk", "2"))
     evaluate.main(cli(world, out, "--methods", "direct", "--topk", "2", "--overwrite"))
     assert len((out / "records.jsonl").read_text().splitlines()) == 8
+    # an --overwrite interrupted before its table: no table of the records it cleared beside its run.json
+    seen.clear()
+    monkeypatch.setattr(HFSampler, "generate", dying)
+    with pytest.raises(SystemExit):
+        evaluate.main(cli(world, out, "--methods", "direct,rag", "--topk", "3", "--overwrite"))
+    assert json.loads((out / "run.json").read_text())["topk"] == 3
+    assert not (out / "results.json").exists() and not (out / "table.md").exists()
 
 
 def test_a_file_for_out_or_a_missing_corpus_is_named_with_its_flag(world, tmp_path):
