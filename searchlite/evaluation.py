@@ -66,8 +66,8 @@ def load_prompts(prompts: str | None = None) -> dict[str, str]:
     """The baselines' prompt templates, {method: text}. `prompts`: empty = searchlite's own
     (templates/<method>.txt, zero-shot instructions); a bare word W = the set
     templates/W_<method>.txt ("toy": the toy world's compact tag style; "fewshot": three
-    worked examples in plain text, which small models follow far better); else a folder
-    holding <method>.txt files (those missing fall back to searchlite's own). Trailing
+    worked examples in plain text, which small models follow far better); else (or a bare
+    word that is no set but a folder here) a folder holding <method>.txt files (those missing fall back to searchlite's own). Trailing
     newlines are dropped, so a completion prompt can end in "Answer:".
 
     >>> sorted(load_prompts("fewshot")), load_prompts("fewshot")["direct"].endswith("Answer:")
@@ -76,7 +76,8 @@ def load_prompts(prompts: str | None = None) -> dict[str, str]:
     out = {}
     for method, needed in PLACEHOLDERS.items():
         path = TEMPLATE_DIR / f"{method}.txt"
-        if prompts and "/" not in prompts and "." not in prompts:
+        if prompts and "/" not in prompts and "." not in prompts and not (
+                Path(prompts).is_dir() and not any(TEMPLATE_DIR.glob(f"{prompts}_*.txt"))):  # a set, not a folder here
             path = TEMPLATE_DIR / f"{prompts}_{method}.txt"
             if not path.exists():
                 raise ValueError(f"no prompt set '{prompts}': {path} does not exist")

@@ -240,10 +240,12 @@ def _read_template(path: str | Path, name: str) -> str:
 
 def template_path(name: str, template: str = "") -> Path:
     """The template file: `template` if it is a path; a bare word W picks the set W,
-    searchlite/templates/W_<protocol>.txt (e.g. "toy"); empty = the protocol's own."""
+    searchlite/templates/W_<protocol>.txt (e.g. "toy"), or the file W here when there is no
+    such set; empty = the protocol's own."""
     if not template:
         return TEMPLATE_DIR / f"{name}.txt"
-    if "/" not in template and "." not in template:
+    if "/" not in template and "." not in template and not (
+            Path(template).is_file() and not (TEMPLATE_DIR / f"{template}_{name}.txt").exists()):  # not a file here
         return TEMPLATE_DIR / f"{template}_{name}.txt"
     return Path(template)
 

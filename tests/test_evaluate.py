@@ -192,6 +192,13 @@ def test_prompt_sets(tmp_path):
         load_prompts(str(tmp_path))
     with pytest.raises(ValueError, match="no prompt set 'nosuchset'"):
         load_prompts("nosuchset")
+    (tmp_path / "myprompts").mkdir()  # a folder here named by a bare word: was "no prompt set 'myprompts'"
+    (tmp_path / "myprompts" / "direct.txt").write_text("Mine: {question}")
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path)
+        assert load_prompts("myprompts")["direct"] == "Mine: {question}"
+        (tmp_path / "fewshot").mkdir()  # a set of that name wins, as documented
+        assert load_prompts("fewshot") == few
     for name in ("toy", "fewshot"):  # every shipped set is complete; the agent has a few-shot template too
         assert set(load_prompts(name)) == {"direct", "cot", "rag"}
     assert "{question}" in get_protocol("search_r1", "fewshot").template

@@ -203,6 +203,15 @@ def test_template_from_file(tmp_path):
         get_protocol("search_r2")
 
 
+def test_a_bare_file_name_here_is_a_template_unless_a_set_has_that_name(tmp_path, monkeypatch):
+    """--template mytemplate (a file here, no extension) was read as the missing set 'mytemplate'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mytemplate").write_text("Mine: {question}")
+    assert get_protocol("search_r1", "mytemplate").prompt("why") == "Mine: why?\n"
+    (tmp_path / "toy").write_text("Mine: {question}")  # a set of that name wins, as documented
+    assert "Mine" not in get_protocol("search_r1", "toy").template
+
+
 def test_a_utf8_template_is_read_under_an_ascii_locale(tmp_path):
     """Templates (and prompt sets, rewrite prompts, judge prompts) are UTF-8 files, whatever the locale."""
     from conftest import run_under_ascii_locale
