@@ -410,6 +410,8 @@ def evaluate(args, held: ExitStack) -> dict:
         qa, files = {}, {}
         for item in (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
+            if str(Path(path).resolve()) in files.values():  # it would be run twice and counted twice in the average
+                raise EvalError(f"--data names {path} twice")
             base, n = name, 1
             while name in qa:  # two files with one name: name_2, name_3, ..., none that a set already has
                 n += 1

@@ -276,6 +276,13 @@ def cli(world, out, *extra):
             "--progress", "false", "--out", str(out), *extra]
 
 
+def test_one_file_named_twice_is_refused(world, tmp_path):
+    """It was run twice, as alpha and alpha_2, and counted twice in the average."""
+    alpha = str(world / "alpha.jsonl")
+    with pytest.raises(SystemExit, match=rf"^error: --data names {re.escape(alpha)} twice$"):
+        evaluate.main(cli(world, tmp_path / "out", "--data", f"{alpha},{world / 'beta.jsonl'},{alpha}"))
+
+
 def test_sets_with_one_file_name_keep_their_own_names(world, tmp_path):
     """a/x, b/x_2 and c/x: the second x becomes x_3, not b's x_2 (whose questions it would replace)."""
     paths = []
