@@ -125,6 +125,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.temperature is not None and not args.temperature >= 0:
         ap.error(f"argument --temperature: must be at least 0 (0 = greedy, as --greedy), got {args.temperature}")
+    if Path(args.out).is_dir():  # known before the model loads and the rollouts run, not after
+        ap.error(f"argument --out: {args.out} is a folder; give the HTML file to write, e.g. {Path(args.out) / 'v.html'}")
 
     from .config import DEFAULT_PRESETS, TOY_DIR, ConfigError, read_presets, resolve_path
     from .data import DataError, os_error_text, read_qa
@@ -174,8 +176,11 @@ def main(argv=None) -> None:
         rewards, scored = (terms["format"] + terms["answer"]).tolist(), "reward R_format + R_answer (cover-EM)"
     else:
         rewards, scored = [exact_match(a, q.answers) for a, q in zip(ro.answers, qa)], "reward exact match"
-    print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa],
-                     title=f"{args.model} on {args.data}, {scored}"))
+    try:
+        print(write_html(args.out, ro, tok, rewards, [q.answers for q in qa],
+                         title=f"{args.model} on {args.data}, {scored}"))
+    except OSError as e:  # a file where its folder should be, no room, no permission
+        raise SystemExit(f"error: --out: {os_error_text(e)}") from None
 
 
 if __name__ == "__main__":

@@ -143,6 +143,21 @@ def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypat
         main(["--corpus", str(bad)])
 
 
+def test_the_command_names_an_out_that_cannot_be_written(tmp_path, monkeypatch, capsys):
+    """--out a folder ended in an IsADirectoryError traceback after every rollout had run."""
+    import searchlite.model_spec
+    from searchlite.view import main
+
+    monkeypatch.setattr(searchlite.model_spec, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and f"argument --out: {tmp_path} is a folder; give the HTML file" in capsys.readouterr().err
+    monkeypatch.undo()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match=rf"^error: --out: {re.escape(str(tmp_path / 'afile'))}: File exists$"):
+        main(["--n", "1", "--max_new_tokens", "2", "--out", str(tmp_path / "afile" / "v.html")])
+
+
 def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_path, monkeypatch):
     """view searched BM25 over the toy corpus, and asked toy questions, whatever the run had trained
     on; it now takes a run's test set, retriever settings (corpus, index, encoder, server) and
