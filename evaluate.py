@@ -144,7 +144,7 @@ def settings(args, model_source: str, protocol, prompts: dict) -> dict:
             "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "answer_tokens": args.answer_tokens,
             "max_obs_tokens": args.max_obs_tokens, "max_len": args.max_len, "chat_template": args.chat_template,
             "temperature": args.temperature, "seed": args.seed, "sampler": args.sampler, "scoring": SCORING,
-            "pooling": args.pooling, "query_prefix": args.query_prefix}
+            "pooling": pooling_used(args), "query_prefix": args.query_prefix}
 
 
 def corpus_used(args) -> str | None:
@@ -167,6 +167,16 @@ def encoder_used(args) -> str:
     if args.encoder or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
         return args.encoder
     return read_settings(args.index, "dense").get("encoder", "")
+
+
+def pooling_used(args) -> str:
+    """The pooling the retriever runs: a dense --index folder's own unless --pooling names another
+    (mean, the default, cannot be told from no flag: retrieval.build_retriever), else --pooling."""
+    from searchlite.retrieval import index_kind, read_settings
+
+    if args.pooling != "mean" or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
+        return args.pooling
+    return read_settings(args.index, "dense").get("pooling", args.pooling)
 
 
 def stat_key(path: Path) -> list[int]:

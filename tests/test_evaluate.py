@@ -1148,6 +1148,21 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
     assert records[0]["prediction"] == "right" and records[0]["em"] == 1.0
 
 
+def test_run_json_records_the_pooling_a_dense_folder_runs():
+    """Without --pooling (or with mean, the default) a dense folder searches with its own pooling:
+    run.json recorded mean for a cls-pooled folder, and refused a resume with --pooling cls."""
+    import tempfile
+    from types import SimpleNamespace
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "dense.json").write_text(json.dumps({"kind": "dense", "pooling": "cls"}))
+        assert evaluate.pooling_used(SimpleNamespace(pooling="mean", index=folder)) == "cls"
+        assert evaluate.pooling_used(SimpleNamespace(pooling="cls", index=folder)) == "cls"
+        assert evaluate.pooling_used(SimpleNamespace(pooling="mean", index="")) == "mean"
+        (Path(folder) / "dense.json").rename(Path(folder) / "bm25.json")
+        assert evaluate.pooling_used(SimpleNamespace(pooling="mean", index=folder)) == "mean"
+
+
 def test_a_folder_made_with_other_pooling_is_not_resumed(world, tmp_path):
     """run.json recorded --pooling only when it was not mean, and the check compares the new run's
     keys, so records made with cls pooling were resumed under mean. A folder from before --pooling
