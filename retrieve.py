@@ -191,6 +191,10 @@ def main(argv=None) -> None:
                 print("  (no passage matched)")
     except (DataError, ValueError, RuntimeError, OSError) as e:  # OSError: an encoder the hub cannot give, ...
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # a traceback said nothing of what is kept
+        sys.stderr.write("\ninterrupted" + (": a dense build keeps its finished shards, and the same command "
+                                             "continues from them\n" if args.cmd == "build" else "\n"))
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def encoder(tmp_path_factory, toy_passages):
     return str(path)
 
 
-def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monkeypatch):
+def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monkeypatch, capsys):
     full = build_dense_folder(TOY, tmp_path / "full", encoder, shard_size=100, max_length=48, progress=False)
     calls, real = [], TextEncoder.encode
 
@@ -344,6 +344,13 @@ def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monke
     assert not (out / "dense.json").exists()  # unfinished: nothing loads it
     with pytest.raises(ValueError, match="shard_size"):
         build_dense_folder(TOY, out, encoder, shard_size=50, max_length=48, progress=False)
+    import retrieve  # the command says what is kept, where a KeyboardInterrupt traceback came out
+
+    calls.clear()
+    with pytest.raises(SystemExit) as stopped:
+        retrieve.main(["build", "--corpus", str(TOY), "--kind", "dense", "--encoder", encoder, "--out", str(tmp_path / "cli"),
+                       "--shard_size", "100", "--max_length", "48"])
+    assert stopped.value.code == 130 and "a dense build keeps its finished shards" in capsys.readouterr().err
     calls.clear()
     monkeypatch.setattr(TextEncoder, "encode", lambda self, texts, prefix="", bar=None:
                         calls.append(len(texts)) or real(self, texts, prefix, bar))
