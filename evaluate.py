@@ -403,7 +403,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     with ExitStack() as held:  # lets go of the --out lock however the run ends (tests call main again)
-        return evaluate(parse_args(argv), held)
+        try:
+            return evaluate(parse_args(argv), held)
+        except KeyboardInterrupt:  # while loading (once answering, evaluate says what it saved)
+            sys.stderr.write("\ninterrupted before any question was answered\n")
+            sys.exit(130)
 
 
 def evaluate(args, held: ExitStack) -> dict:

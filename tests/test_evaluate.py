@@ -390,6 +390,17 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
     assert not (out / "results.json").exists() and not (out / "table.md").exists()
 
 
+def test_a_ctrl_c_while_loading_is_one_line(world, tmp_path, monkeypatch, capsys):
+    """It was a KeyboardInterrupt traceback from inside transformers."""
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "load_model", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "direct"))
+    assert stopped.value.code == 130 and capsys.readouterr().err == "\ninterrupted before any question was answered\n"
+
+
 def test_a_file_for_out_or_a_missing_corpus_is_named_with_its_flag(world, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
