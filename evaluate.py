@@ -52,8 +52,8 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import (ArgumentParser, HelpFormatter, at_least, bool_arg, local_path, not_a_folder,
-                               resolve_path)
+from searchlite.config import (NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
+                               not_a_folder, resolve_path)
 from searchlite.data import DataError, lock_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
@@ -114,7 +114,7 @@ def make_retriever(args):
 
     if uses_server(args):
         if not args.retriever_url:
-            raise EvalError("--retriever http needs --retriever_url (e.g. http://127.0.0.1:8000)")
+            raise EvalError(NEEDS_URL)
         try:
             check_server(args.retriever_url, args.topk)
         except ConfigError as e:

@@ -399,6 +399,10 @@ def is_hub_name(spec: str) -> bool:
             and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
+NEEDS_URL = ("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. http://127.0.0.1:8000; "
+             "start one with python retrieve.py serve)")
+
+
 def not_a_folder(flag: str, path) -> str | None:
     """Why `path` cannot be made a folder (it, or a folder above it, is a file), or None."""
     path = Path(path)
@@ -495,8 +499,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     if used("out_dir") and cfg.out_dir and (why := not_a_folder("--out_dir", cfg.out_dir)):
         raise ConfigError(why)
     if cfg.retriever == "http" and not cfg.retriever_url:
-        raise ConfigError("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. "
-                          "http://127.0.0.1:8000; start one with python retrieve.py serve)")
+        raise ConfigError(NEEDS_URL)
     if used("query_prefix") and cfg.query_prefix and cfg.retriever != "dense":
         raise ConfigError(f"{_named(cfg, 'query_prefix')} {cfg.query_prefix!r}: only --retriever dense encodes queries "
                           f"(a server has its own: retrieve.py serve --query_prefix), not --retriever {cfg.retriever}")

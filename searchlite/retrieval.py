@@ -626,8 +626,10 @@ def config_retriever(cfg) -> Retriever:
     retriever_url fields): train.py's, stage 1's, and any script that replays a run. A server
     that does not answer, an index or encoder that does not load, is a ConfigError, which
     those commands print in one line."""
-    from searchlite.config import ConfigError
+    from searchlite.config import NEEDS_URL, ConfigError
 
+    if cfg.retriever == "http" and not cfg.retriever_url:  # (view: check_config does not see its flags)
+        raise ConfigError(NEEDS_URL)
     if cfg.retriever == "http":
         check_server(cfg.retriever_url, cfg.topk)
     corpus = None if cfg.retriever == "http" else index_corpus(cfg.corpus, cfg.index)

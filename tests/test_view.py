@@ -119,6 +119,14 @@ def test_the_command_refuses_no_questions(capsys):
     assert "argument --n: must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_the_command_asks_for_a_server_address_as_train_py_does():
+    """view --retriever http without --retriever_url said "--retriever_url : ... URL '' needs its scheme"."""
+    from searchlite.view import main
+
+    with pytest.raises(SystemExit, match=r"^error: --retriever http needs --retriever_url \(a Search-R1-compatible"):
+        main(["--retriever", "http"])
+
+
 def test_the_command_names_a_bad_or_missing_file_in_one_line(tmp_path, monkeypatch):
     """A bad JSON line or a missing file ended in a DataError or FileNotFoundError traceback, after
     the model had loaded; now it is one line naming the file (and line), before the model loads."""
