@@ -455,6 +455,7 @@ def evaluate(args, held: ExitStack) -> dict:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        device = pick_device(args.device) if args.sampler != "vllm" else None  # a bad one before --overwrite clears
         out = Path(args.out)
         source = local_path(source)
         setup = (settings(args, source, protocol, prompts) | {"data": files}
@@ -474,7 +475,7 @@ def evaluate(args, held: ExitStack) -> dict:
             sampler = VLLMSampler(folder, args.tokenizer or None, dtype=args.dtype, batch_size=args.batch_size,
                                   **sampling)
         else:
-            model, tokenizer = load_model(args.model, args.tokenizer, args.dtype, pick_device(args.device))
+            model, tokenizer = load_model(args.model, args.tokenizer, args.dtype, device)
             sampler = HFSampler(model, tokenizer, **sampling)
     except (EvalError, DataError, ValueError, OSError) as e:  # (ModelError is a ValueError)
         sys.exit(f"error: {e}")

@@ -390,6 +390,17 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
     assert not (out / "results.json").exists() and not (out / "table.md").exists()
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="--device cuda is no bad flag here")
+def test_overwrite_clears_nothing_when_a_flag_is_bad(world, tmp_path):
+    """--overwrite --device cuda (no GPU) deleted the records, then stopped at the device."""
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "direct"))
+    records = (out / "records.jsonl").read_text()
+    with pytest.raises(SystemExit, match=r"^error: --device cuda: "):
+        evaluate.main(cli(world, out, "--methods", "direct", "--overwrite", "--device", "cuda"))
+    assert (out / "records.jsonl").read_text() == records
+
+
 def test_a_ctrl_c_while_loading_is_one_line(world, tmp_path, monkeypatch, capsys):
     """It was a KeyboardInterrupt traceback from inside transformers."""
     def interrupted(*a, **k):
