@@ -70,7 +70,8 @@ def scan_lines(path, progress: bool = True):
 class Corpus:
     """A passage sequence backed by a JSONL file: `len`, `corpus[i]`, `batches(n)`.
     `offsets` is an `.npz` file caching the line scan; it is reused while the corpus keeps
-    its size and modification time, and (re)written otherwise."""
+    its path, size and modification time (two files can share the last two: `touch -r`, a
+    tarball), and (re)written otherwise."""
 
     def __init__(self, path, offsets=None, progress: bool = True):
         self.path = os.fspath(path)
@@ -94,14 +95,16 @@ class Corpus:
             return None
         try:
             with np.load(offsets) as z:
-                return (z["starts"], z["blank_at"]) if z["stamp"].tolist() == self.stamp else None
+                same = z["stamp"].tolist() == self.stamp and str(z["path"]) == os.path.abspath(self.path)
+                return (z["starts"], z["blank_at"]) if same else None
         except (OSError, ValueError, zipfile.BadZipFile, KeyError, EOFError):
             return None
 
     def save_offsets(self, path) -> None:
         """Write the line scan as an `offsets` cache for this version of the file."""
+        where = np.asarray(os.path.abspath(self.path))
         write_durably(path, lambda f: np.savez(f, starts=self.starts, blank_at=self.blank_at,
-                                               stamp=np.asarray(self.stamp)))
+                                               stamp=np.asarray(self.stamp), path=where))
 
     def __len__(self) -> int:
         return len(self.starts) - 1

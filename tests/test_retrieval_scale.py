@@ -99,6 +99,11 @@ def test_corpus_offsets_cache_follows_the_file(tmp_path):
     assert len(Corpus(p, offsets=cache)) == 2  # reused
     p.write_text('{"id": "1", "text": "one"}\n{"id": "2", "text": "two"}\n{"id": "3", "text": "three"}\n')
     assert Corpus(p, offsets=cache)[2].id == "3"  # the file changed: scanned again
+    other = tmp_path / "other.jsonl"  # same size and modification time, lines split otherwise
+    other.write_text('{"id": "1", "text": "one"}\n{"id": "22", "text": "two"}\n{"id": "3", "text": "thre"}\n')
+    os.utime(other, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns))
+    assert other.stat().st_size == p.stat().st_size
+    assert [x.id for x in Corpus(other, offsets=cache)] == ["1", "22", "3"]  # not p's offsets: a bad JSON line
 
 
 def test_corpus_offsets_cache_is_written_whole_and_an_unreadable_one_rescanned(tmp_path, monkeypatch):
