@@ -30,6 +30,9 @@ from collections import Counter
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _YES_NO = ("yes", "no", "noanswer")
+# a word of the 10-word cap: a run of text between whitespace and list separators (a comma
+# between digits is a thousands separator, part of the number)
+_LIST_WORDS = re.compile(r"(?:[^\s,;/|，；、]|(?<=\d),(?=\d))+")
 
 
 def normalize_answer(s: str) -> str:
@@ -118,9 +121,10 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     "Jean Paul") nor a possessive or a comma with no space after it ("Paris's", "Paris,France")
     hides the gold, and Unicode punctuation (an en dash) counts as punctuation. A substring reward
     would pay a policy for a longer word that holds the answer. The prediction may have at most
-    `max_words` words, counted on the raw prediction as the model wrote it, split at whitespace or
-    at punctuation too, whichever gives more — otherwise 0.0, so the policy cannot win by listing
-    candidates, with spaces or commas (R1-Searcher++ §4.2.1, the training reward).
+    `max_words` words, counted on the raw prediction as the model wrote it: split at whitespace and
+    at list separators (a comma outside a number, ; / | and their full-width forms), not inside a
+    word ("Jean-Paul", "U.S.", "Obama's", "1,234" are one) — otherwise 0.0, so the policy cannot
+    win by listing candidates, with spaces or commas (R1-Searcher++ §4.2.1, the training reward).
     `max_words=None` is the evaluation metric (ACC_R, §5.1), which has no such cap. Golds that
     normalise to "" never match.
 
@@ -133,9 +137,9 @@ def cover_exact_match(pred: str | None, golds: list[str], max_words: int | None 
     >>> cover_exact_match("one two three four five six seven eight nine ten paris", ["paris"], max_words=None)
     1.0
     """
-    # words as written, or split at punctuation too: "a,b,c,...", one word as written, lists as many
-    # candidates as it has names, which the spaced reading below would each find
-    if pred is None or (max_words is not None and max(len(pred.split()), len(_spaced(pred).split())) > max_words):
+    # "a,b,c,...", one word at whitespace, lists as many candidates as it has names, which the spaced
+    # reading below would each find: its separators split words too
+    if pred is None or (max_words is not None and len(_LIST_WORDS.findall(pred)) > max_words):
         return 0.0
     for norm in (normalize_answer, _spaced):
         p = f" {norm(pred)} "

@@ -101,6 +101,15 @@ def test_f1_score(pred, golds, expected):
         ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Apia,Paris", ["Paris"], {}, 0.0),  # 11 names: over the cap
         ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Paris", ["Paris"], {}, 1.0),  # 10
         ("Rome,Oslo,Bern,Lima,Kyiv,Riga,Baku,Doha,Suva,Apia,Paris", ["Paris"], {"max_words": None}, 1.0),
+        ("a,b,c,d,e,f,g,h,i,j,Paris", ["Paris"], {}, 0.0),  # 11 items, articles too (1.0 before)
+        ("Rome; Oslo / Bern|Lima、Kyiv，Riga,Baku,Doha,Suva,Apia,Paris", ["Paris"], {}, 0.0),  # other separators
+        # 10 words as written, one of them with a hyphen, a period, a possessive or a thousands separator:
+        # within the cap (each was counted as two words, and the answer scored 0)
+        ("Barack Obama, U.S. president from 2009 to 2017, Hawaii native", ["Barack Obama"], {}, 1.0),
+        ("Jean-Paul Sartre, French philosopher and writer born in Paris 1905", ["Jean-Paul Sartre"], {}, 1.0),
+        ("Obama's wife Michelle Obama, born in Chicago in January 1964", ["Michelle Obama"], {}, 1.0),
+        ("population of 1,234 people in Ri Tam town of Kor", ["1,234"], {}, 1.0),
+        ("population of 1,234 people in Ri Tam town of Kor Sel", ["1,234"], {}, 0.0),  # 11
     ],
 )
 def test_cover_exact_match(pred, golds, kwargs, expected):
