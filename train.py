@@ -317,9 +317,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
         except ConfigError as e:
             sys.exit(f"error: {e}")
     found = find_checkpoint(out)
-    if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():
-        try:  # the log a resume keeps: a damaged line is named now, not after the models have loaded
-            read_log(out / "metrics.jsonl", cut=False)
+    logged = []  # the rows a resume keeps (those up to its checkpoint), read now: a damaged line is named
+    if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():  # before the models load
+        try:
+            logged = read_log(out / "metrics.jsonl", cut=False)  # (a torn last line goes when it is rewritten)
         except DataError as e:
             sys.exit(f"error: {e}")
     if dist.is_main():  # under torchrun, rank 0 prints and writes every file
@@ -460,8 +461,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
         if start < cfg.steps or not start:  # a resume with nothing to train leaves the run's settings as they were
             save_config(cfg, out / "config.json")
         # metrics.jsonl holds this run alone: a resumed run keeps the rows up to its checkpoint
-        rows = read_log(out / "metrics.jsonl") if start and (out / "metrics.jsonl").exists() else []
-        write_jsonl(out / "metrics.jsonl", [r for r in rows if r["step"] <= start])
+        write_jsonl(out / "metrics.jsonl", [r for r in logged if r["step"] <= start] if start else [])
         for path in [*out.glob("eval/step_*.jsonl"), *out.glob("trajectories/step*.html")]:  # and so do these:
             if (m := re.match(r"step_?(\d+)", path.name)) and int(m[1]) > start:  # past it: another run's policy
                 path.unlink()
