@@ -160,23 +160,26 @@ def corpus_used(args) -> str | None:
     return read_settings(args.index, index_kind(args.index)).get("corpus")
 
 
-def encoder_used(args) -> str:
-    """The encoder the retriever runs: --encoder, else the one a dense --index folder was built with."""
+def dense_folder_setting(args, key: str, given: bool):
+    """args' `key` when `given`, else the value a dense --index folder was built with (its
+    dense.json), which the retriever then runs with; args' own for any other index or none."""
     from searchlite.retrieval import index_kind, read_settings
 
-    if args.encoder or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
-        return args.encoder
-    return read_settings(args.index, "dense").get("encoder", "")
+    value = getattr(args, key)
+    if given or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
+        return value
+    return read_settings(args.index, "dense").get(key, value)
+
+
+def encoder_used(args) -> str:
+    """The encoder the retriever runs: --encoder, else the one a dense --index folder was built with."""
+    return dense_folder_setting(args, "encoder", bool(args.encoder))
 
 
 def pooling_used(args) -> str:
     """The pooling the retriever runs: a dense --index folder's own unless --pooling names another
     (mean, the default, cannot be told from no flag: retrieval.build_retriever), else --pooling."""
-    from searchlite.retrieval import index_kind, read_settings
-
-    if args.pooling != "mean" or not args.index or not os.path.isdir(args.index) or index_kind(args.index) != "dense":
-        return args.pooling
-    return read_settings(args.index, "dense").get("pooling", args.pooling)
+    return dense_folder_setting(args, "pooling", args.pooling != "mean")
 
 
 def stat_key(path: Path) -> list[int]:
