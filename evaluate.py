@@ -39,7 +39,8 @@ again. A rerun whose settings or inputs changed is refused: the model's weight f
 corpus, the --index (an index folder's bm25.json or dense.json by its text) and a local
 --encoder folder's files are compared by size and modification time, each QA file by its
 sha256. --overwrite starts over. One run at a time writes to a folder (a lock file,
-evaluate.lock; Linux and macOS): a second is refused.
+evaluate.lock; Linux and macOS): a second is refused. A run that stops before its first answer
+(a model that does not load) removes the --out folder it made.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from pathlib import Path
 
 from searchlite.config import (NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
                                not_a_folder, resolve_path)
-from searchlite.data import DataError, lock_folder, read_qa, write_durably
+from searchlite.data import DataError, held_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
 from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
@@ -283,13 +284,12 @@ def check_settings(out: Path, now: dict, overwrite: bool, marks_nothing: bool = 
 
 
 def lock_out(out: Path):
-    """Lock `out` for this run (an open file; closing it lets go). Two runs writing one folder
+    """Held for this run (`with lock_out(out):`): the lock on `out`. Two runs writing one folder
     lose records: RecordLog.replace rewrites records.jsonl from its own copy, and read_log cuts
-    the line the other is appending as torn."""
-    lock = lock_folder(out, "evaluate.lock")
-    if lock is None:
-        raise EvalError(f"another evaluate.py is writing to {out}; wait for it to finish, or choose another --out")
-    return lock
+    the line the other is appending as torn. A folder this run made is removed again if the run
+    stops before its first record (a model that does not load): it holds run.json alone."""
+    return held_folder(out, "evaluate.lock", EvalError(f"another evaluate.py is writing to {out}; wait for it to "
+                                                       "finish, or choose another --out"), scratch=("run.json",))
 
 
 def warn_no_verdict(records: list[dict], path: Path) -> None:

@@ -371,6 +371,29 @@ def lock_folder(folder, name: str):
     return lock
 
 
+@contextlib.contextmanager
+def held_folder(folder, name: str, busy: Exception, scratch: tuple[str, ...] = ()):
+    """`lock_folder(folder, name)` held for one run; `busy` is raised when another process holds
+    it. A folder the run made is removed again if it leaves nothing in it but the lock and the
+    `scratch` files (it stopped at start-up: a bad line, a model that does not load), so a run
+    stopped before its work began changes no file."""
+    folder = Path(folder)
+    made = not folder.exists()
+    lock = lock_folder(folder, name)
+    if lock is None:
+        raise busy
+    try:
+        yield lock
+    finally:
+        left = {p.name for p in folder.iterdir()} if made else set()
+        if made and name in left and left <= {name, *scratch}:
+            for entry in sorted(left - {name}) + [name]:  # the lock last, while still held: no other run has it
+                (folder / entry).unlink()
+            with contextlib.suppress(OSError):  # another run put a file there meanwhile: the folder stays
+                folder.rmdir()
+        lock.close()
+
+
 def append_log(path, records: list[dict]) -> None:
     """Append `records` to a JSONL log, a line each, on disk before the caller moves on."""
     with open(path, "a", encoding="utf-8") as f:

@@ -375,27 +375,16 @@ def save_checkpoint(out_dir, policy, tokenizer, trainer_state: dict, critic: Cri
     return final
 
 
-@contextlib.contextmanager
 def lock_run(out):
-    """Held for a train.py or stage-1 run: the lock on its out_dir (`data.lock_folder`, `run.lock`),
-    as two runs in one folder would mix their checkpoints and logs; a ConfigError when another
-    run holds it. A folder this run made is removed again if the run leaves nothing else in it
-    (it stopped at start-up: a bad line, a server that does not answer)."""
-    from .data import lock_folder
+    """Held for a train.py or stage-1 run (`with lock_run(out):`): the lock on its out_dir
+    (`data.held_folder`, `run.lock`), as two runs in one folder would mix their checkpoints and
+    logs; a ConfigError when another run holds it. A folder this run made is removed again if
+    the run leaves nothing else in it (it stopped at start-up: a bad line, a server that does not
+    answer)."""
+    from .data import held_folder
 
-    out = Path(out)
-    made = not out.exists()
-    lock = lock_folder(out, "run.lock")
-    if lock is None:
-        raise ConfigError(f"another run is writing to {out}; wait for it to finish, or choose another --out_dir")
-    try:
-        yield lock
-    finally:
-        if made and [p.name for p in out.iterdir()] == ["run.lock"]:
-            (out / "run.lock").unlink()  # while still held: no other run has it
-            with contextlib.suppress(OSError):  # another run put a file there meanwhile: the folder stays
-                out.rmdir()
-        lock.close()
+    return held_folder(out, "run.lock", ConfigError(f"another run is writing to {out}; wait for it to finish, "
+                                                    "or choose another --out_dir"))
 
 
 def set_aside(out: Path, names) -> list[str]:

@@ -686,6 +686,27 @@ def test_a_second_run_into_one_folder_is_refused(world, tmp_path):
     evaluate.main(args)  # the other has finished: the folder is free again
 
 
+def test_a_run_that_stops_before_its_first_answer_leaves_no_new_folder(world, tmp_path, monkeypatch):
+    """A model that does not load stopped the run after run.json was written: a new --out was left
+    holding run.json and evaluate.lock, and nothing else."""
+    def broken(*a, **kw):
+        raise OSError("model.safetensors: not a safetensors file")
+
+    monkeypatch.setattr(evaluate, "load_model", broken)
+    out = tmp_path / "new" / "out"
+    args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
+    with pytest.raises(SystemExit, match="error: model.safetensors: not a safetensors file"):
+        evaluate.main(args)
+    assert not out.exists() and (tmp_path / "new").is_dir()  # only the folder the run made goes
+    out.mkdir(parents=True)  # a folder that was there before the run stays, with what the run wrote
+    with pytest.raises(SystemExit, match="not a safetensors file"):
+        evaluate.main(args)
+    assert sorted(p.name for p in out.iterdir()) == ["evaluate.lock", "run.json"]
+    monkeypatch.undo()
+    evaluate.main(args)  # the model loads now: the folder keeps its records
+    assert {"records.jsonl", "run.json", "evaluate.lock", "table.md"} <= {p.name for p in out.iterdir()}
+
+
 def test_a_damaged_record_log_is_a_one_line_error(world, tmp_path, monkeypatch):
     out = tmp_path / "out"
     args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
