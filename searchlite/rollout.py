@@ -11,7 +11,9 @@ does anything else (Search-R1's final `do_search=False` turn).
 
 A trajectory ends at `max_len` tokens (prompt + response) or the model's context, whichever is
 smaller: a turn, passage or message that runs past it is cut there (a cut answer is no answer),
-so no row is longer than the model can read; a prompt that already fills it gets no turn.
+so no row is longer than the model can read; a prompt that already fills it gets no turn. The
+sampler is told each trajectory's tokens left (`budget`), so a turn near the end is sampled
+only that far.
 The ids kept are exactly the ids the sampler produced; observations and messages are
 tokenised once and appended as ids. `loss_mask` is written while appending: 1 for sampled
 tokens, 0 for prompt, passages, messages and padding (passages get 1 only when
@@ -90,10 +92,11 @@ def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, ma
         if not active:
             break
         final = turn == max_turns  # the forced-answer turn: no search is executed
-        outs = sampler.generate([prompts[i] + resp[i] for i in active], stop=protocol.stop, greedy=greedy)
+        outs = sampler.generate([prompts[i] + resp[i] for i in active], stop=protocol.stop, greedy=greedy,
+                                budget=[room(i) for i in active])  # a turn near max_len stops there
         queries, searchers, still = [], [], []
         for i, out in zip(active, outs):
-            out = out[:room(i)]  # a turn that runs past max_len is cut there
+            out = out[:room(i)]  # (a sampler that does not stop at its budget is cut there)
             if line_starts:
                 out = _cut_line_start(out, prompts[i] + resp[i], line_starts, tokenizer)
             resp[i] += out

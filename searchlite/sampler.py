@@ -2,10 +2,12 @@
 
 One interface, so the rollout does not care who generates:
 
-    sampler.generate(prompts: list[list[int]], stop: tuple[str, ...]) -> list[list[int]]
+    sampler.generate(prompts: list[list[int]], stop: tuple[str, ...], budget=None) -> list[list[int]]
 
 Each returned list holds exactly the ids the model sampled for that prompt, up to and
-including the first stop string or EOS (nothing is decoded and re-encoded). `HFSampler`
+including the first stop string or EOS (nothing is decoded and re-encoded). `budget`, one
+int per prompt, caps its new tokens below `max_new_tokens`: the rollout passes the tokens each
+trajectory has left to max_len, so a turn near the end is not generated in full and then cut. `HFSampler`
 runs transformers' `generate` on the training policy itself (left padding, temperature /
 top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process. The
 trainer calls `release()` after a rollout, `push_weights(policy)` after the update and
@@ -129,8 +131,9 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[list[int]]:
+                 greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
         max_new = max_new_tokens or self.max_new_tokens
+        caps = [max_new] * len(prompts) if budget is None else [min(max_new, b) for b in budget]
         step = self.batch_size or len(prompts) or 1
         device = next(self.model.parameters()).device
         on_gpu = device.type == "cuda"
@@ -140,19 +143,22 @@ class HFSampler:
             self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
             out = []
             for s in range(0, len(prompts), step):
-                out += self._generate(prompts[s:s + step], stop, max_new, greedy)
+                out += self._generate(prompts[s:s + step], stop, caps[s:s + step], greedy)
         return out
 
-    def _generate(self, prompts, stop, max_new, greedy) -> list[list[int]]:
-        """One generate() call per room (the new tokens a row may take: `max_new`, or fewer near the
+    def _generate(self, prompts, stop, caps, greedy) -> list[list[int]]:
+        """One generate() call per room (the new tokens a row may take: its cap, or fewer near the
         model's context): generate() runs every row of a batch as far as its longest room, which
         would take a row past its last position and break a model with learned positions (GPT-2,
-        OPT). Rows with the whole `max_new` go first: with no row near the context, it is one call."""
+        OPT). Rows with the largest room go first: with no row near its end, it is one call."""
         if not prompts:
             return []
-        rooms = [max_new if self.max_model_len is None else min(max_new, self.max_model_len - len(p)) for p in prompts]
-        if min(rooms) <= 0:
+        if self.max_model_len is not None and min(self.max_model_len - len(p) for p in prompts) <= 0:
             raise PromptTooLong(max(len(p) for p in prompts), self.max_model_len)
+        rooms = [cap if self.max_model_len is None else min(cap, self.max_model_len - len(p))
+                 for p, cap in zip(prompts, caps)]
+        if min(rooms) <= 0:
+            raise ValueError(f"a budget of {min(rooms)} new tokens: each prompt needs at least 1")
         out = [None] * len(prompts)
         for room in sorted(set(rooms), reverse=True):
             rows = [i for i, r in enumerate(rooms) if r == room]

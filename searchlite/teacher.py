@@ -52,7 +52,8 @@ class Teacher:
         self.pp = protocol.name == "r1_searcher_pp"
 
     # -------------------------------------------------------------- sampler interface
-    def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None) -> list[list[int]]:
+    def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None) -> list[list[int]]:
+        """A scripted turn for each prompt, whole: the rollout cuts one that runs past its budget."""
         return [self.tok.encode(self.turn(self.tok.decode(p, skip_special_tokens=False)), add_special_tokens=False)
                 for p in prompts]
 

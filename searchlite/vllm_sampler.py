@@ -231,7 +231,7 @@ class VLLMSampler:
         self.llm.llm_engine.engine_core.shutdown()
 
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[list[int]]:
+                 greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
         if self.asleep:
             raise RuntimeError("VLLMSampler.generate after release(): push_weights(model) first")
         if not prompts:
@@ -239,8 +239,9 @@ class VLLMSampler:
         max_new = max_new_tokens or self.max_new_tokens
         base = call_seed(self.seed, self.calls)
         self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
-        params = [self._params(len(p), max_new, stop, greedy, None if self.on_cpu or greedy else call_seed(base, i))
-                  for i, p in enumerate(prompts)]
+        caps = [max_new] * len(prompts) if budget is None else [min(max_new, b) for b in budget]
+        params = [self._params(len(p), cap, stop, greedy, None if self.on_cpu or greedy else call_seed(base, i))
+                  for i, (p, cap) in enumerate(zip(prompts, caps))]
         from vllm.inputs import TokensPrompt
 
         if self.on_cpu and not greedy and self.greedy_cached:

@@ -32,7 +32,7 @@ class ScriptedSampler:
         self.tok, self.replies, self.fail_at, self.fail = tok, replies, fail_at, fail
         self.calls, self.prompts = [], []
 
-    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False):
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
         if self.fail_at is not None and len(self.calls) + 1 == self.fail_at:
             raise self.fail("interrupted by the test")
         out, qs = [], []
@@ -304,7 +304,7 @@ def parse_table(text):
     return {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows}
 
 
-def scripted_generate(self, prompts, stop=(), max_new_tokens=None, greedy=False):
+def scripted_generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
     """In place of HFSampler.generate: rag and search answer right, direct for even towns only."""
     out = []
     for ids in prompts:
@@ -1179,7 +1179,7 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
         def __init__(self):
             self.turns = 0
 
-        def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None):
+        def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None):
             reply = ["I see.\nQuestion: who else? <answer> wrong </answer>", "<answer> right </answer>"][self.turns]
             self.turns += 1
             ends = [reply.index(s) + len(s) for s in stop if s in reply]

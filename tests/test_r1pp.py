@@ -132,7 +132,7 @@ class ScriptedSampler:
     def __init__(self, tok, scripts: dict):
         self.tok, self.scripts, self.prompts = tok, scripts, []
 
-    def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None):
+    def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None):
         out = []
         for p in prompts:
             text = self.tok.decode(p, skip_special_tokens=False)

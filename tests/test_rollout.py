@@ -18,7 +18,7 @@ class ScriptedSampler:
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tok, self.scripts, self.calls = tokenizer, scripts, []
 
-    def generate(self, prompts, stop=(), greedy=False):
+    def generate(self, prompts, stop=(), greedy=False, budget=None):
         self.calls.append(len(prompts))
         out = []
         for ids in prompts:
@@ -257,6 +257,41 @@ def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
     assert ro.turns.tolist() == [1] and int(ro.loss_mask[0].nonzero().max()) < model.config.max_position_embeddings
 
 
+def test_a_turn_near_max_len_is_sampled_only_to_it(byte_tokenizer):
+    """The rollout gives the sampler each trajectory's tokens left to max_len: a turn near the end
+    is generated only that far (it was generated to max_new_tokens, then cut), and the ids kept
+    are the same ones. `budget` caps a row below max_new_tokens, never above it."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=5)
+    sampler = HFSampler(model, tok, max_new_tokens=12)
+    prompts = [[7] * 30, [9] * 30]
+    full = sampler.generate(prompts, greedy=True)
+    assert [len(o) for o in full] == [12, 12]  # a random model never stops early
+    assert sampler.generate(prompts, greedy=True, budget=[5, 50]) == [full[0][:5], full[1]]
+
+    class Counting(HFSampler):
+        made = 0
+
+        def _generate_rows(self, prompts, stop, room, greedy):
+            outs = super()._generate_rows(prompts, stop, room, greedy)
+            self.made += sum(map(len, outs))
+            return outs
+
+    prompt = len(encode_prompt(tok, P, "who?"))
+    runs = {}
+    for budgeted in (True, False):
+        counting = Counting(model, tok, max_new_tokens=12)
+        if not budgeted:  # the sampler as before: every turn in full
+            plain = counting.generate
+            counting.generate = lambda prompts, budget=None, **kw: plain(prompts, **kw)
+        ro = rollout(counting, FakeRetriever(), tok, P, ["who?", "who?"], max_turns=3, topk=1, max_len=prompt + 7,
+                     greedy=True)
+        runs[budgeted] = ro, counting.made
+    (ro, made), (before, made_before) = runs[True], runs[False]
+    assert ro.input_ids.tolist() == before.input_ids.tolist() and ro.loss_mask.tolist() == before.loss_mask.tolist()
+    assert ro.turns.tolist() == [1, 1] and made == 2 * 7 and made_before == 2 * 12
+
+
 def test_hf_sampler_keeps_a_learned_position_model_inside_its_context(byte_tokenizer):
     """GPT-2 has a position embedding for each of its n_positions and none past them: a row with 3
     positions left goes in a generate() call of its own (in one batch with a row that has 12 left,
@@ -285,7 +320,7 @@ def test_a_sampled_eos_is_trained_on_and_the_padding_after_it_is_not(byte_tokeni
     assert eos != pad  # so the padding is told apart from the sampled EOS by its id too
 
     class EosSampler(ScriptedSampler):
-        def generate(self, prompts, stop=(), greedy=False):
+        def generate(self, prompts, stop=(), greedy=False, budget=None):
             return [ids + [eos] if "q-eos-" in self.tok.decode(p) else ids
                     for p, ids in zip(prompts, super().generate(prompts, stop, greedy))]
 

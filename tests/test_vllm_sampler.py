@@ -106,6 +106,8 @@ def test_greedy_tokens_match_hf_on_random_weights(engine, tok, prompts):
     want = hf_sampler(model, tok).generate(prompts, greedy=True)
     assert all(len(w) == 24 for w in want)  # no EOS: the whole length is compared
     assert engine.generate(prompts, greedy=True) == want
+    budget = [5 + i for i in range(len(prompts) - 1)] + [99]  # each row its own cap; 99 is over max_new_tokens
+    assert engine.generate(prompts, greedy=True, budget=budget) == [w[:b] for w, b in zip(want, budget)]
 
 
 def test_suppressed_ids_are_never_sampled_as_with_hf(engine, tok, prompts):
