@@ -239,6 +239,8 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     return diff
 
 
+JUDGE_FLAGS = {"judge_model": "gpt-4o-mini", "judge_prompt": "", "judge_key_env": "OPENAI_API_KEY",
+               "judge_max_tokens": 8}  # their defaults: they do something only with --judge_url
 TURN_FLAGS = ("topk", "max_turns", "max_new_tokens", "answer_tokens", "max_obs_tokens", "max_len", "temperature",
               "seed", "pooling")  # settings in run.json that one flag of the same name sets
 
@@ -295,20 +297,23 @@ def lock_out(out: Path):
 def warn_no_verdict(records: list[dict], path: Path) -> None:
     """One warning for all the judge replies without a verdict, resumed ones included: each
     scored 0.0, so a judge that never answers (e.g. cut off while thinking) reads as LasJ 0."""
-    from searchlite.judge import no_verdict
+    from searchlite.judge import no_verdict, refused
 
     unclear, asked = no_verdict(records), sum(r["prediction"] is not None for r in records)
     if unclear:
         print(f"warning: {len(unclear)} of {asked} judge replies held no verdict and count as False, e.g. "
               f"{unclear[0]['judge_reply'][:120]!r}; read judge_reply in {path} (a reasoning judge may need "
               "a larger --judge_max_tokens)", file=sys.stderr)
+    if turned_down := [r for r in records if refused(r)]:
+        print(f"warning: the judge endpoint refused {len(turned_down)} of {asked} requests, which count as False, "
+              f"e.g. {turned_down[0]['judge_reply'][:160]!r}; read judge_reply in {path}", file=sys.stderr)
 
 
 def drop_mixed_judges(results: dict, records: list[dict], path: Path) -> None:
     """Leave LasJ out of `results` (in place) when its records were judged by more than one judge
     setup, as when a re-judge was interrupted and the rerun had no --judge_url: one mean of two
     judges' verdicts would read as one judge's."""
-    setups = {r.get("judge_setup") for r in records if "judge" in r}
+    setups = {(r.get("judge_model"), r.get("judge_setup")) for r in records if "judge" in r}
     if len(setups) > 1:
         print(f"note: {path} holds verdicts from {len(setups)} judge setups; LasJ is left out "
               "(rerun with one --judge_url to judge them all alike)", file=sys.stderr)
@@ -388,10 +393,11 @@ def parse_args(argv=None):
     a("--out", default="runs/eval", help="output folder (records.jsonl, results.json, table.md)")
     a("--overwrite", action="store_true", help="discard records already in --out and start over")
     a("--judge_url", default="", help="OpenAI-compatible endpoint for LLM-as-judge, e.g. http://127.0.0.1:8000/v1")
-    a("--judge_model", default="gpt-4o-mini", help="model name sent to the judge endpoint")
-    a("--judge_prompt", default="", help="judge prompt file (default searchlite/templates/judge.txt)")
-    a("--judge_key_env", default="OPENAI_API_KEY", help="environment variable holding the judge's API key")
-    a("--judge_max_tokens", type=at_least(1), default=8, help="tokens per judge reply: 8 fits 'True'; a reasoning "
+    a("--judge_model", default=JUDGE_FLAGS["judge_model"], help="model name sent to the judge endpoint")
+    a("--judge_prompt", default=JUDGE_FLAGS["judge_prompt"],
+      help="judge prompt file (default searchlite/templates/judge.txt)")
+    a("--judge_key_env", default=JUDGE_FLAGS["judge_key_env"], help="environment variable holding the judge's API key")
+    a("--judge_max_tokens", type=at_least(1), default=JUDGE_FLAGS["judge_max_tokens"], help="tokens per judge reply: 8 fits 'True'; a reasoning "
       "judge needs room to finish its <think> first (e.g. 1024)")
     a("--progress", type=bool_arg, default=True, help="show progress bars")
     args = ap.parse_args(argv)
@@ -440,6 +446,8 @@ def evaluate(args, held: ExitStack) -> dict:
 
         protocol, prompts = get_protocol(args.protocol, args.template), load_prompts(args.prompts or None)
         judge = None
+        if ignored := [f"--{k}" for k in JUDGE_FLAGS if getattr(args, k) != JUDGE_FLAGS[k] and not args.judge_url]:
+            print(f"note: {', '.join(ignored)} set without --judge_url: no judge is asked", file=sys.stderr)
         if args.judge_url:
             from searchlite.judge import Judge, JudgeError
 
@@ -449,7 +457,7 @@ def evaluate(args, held: ExitStack) -> dict:
                 judge.check()
             except JudgeError as e:
                 raise EvalError(f"{e}. Check --judge_url (an OpenAI-compatible base URL ending in /v1), "
-                                "--judge_model, --judge_prompt and --judge_max_tokens.") from None
+                                "--judge_model, --judge_key_env, --judge_prompt and --judge_max_tokens.") from None
         retriever = make_retriever(args) if {"rag", "search"} & set(methods) else None
         import torch
 

@@ -17,7 +17,7 @@ import evaluate
 from searchlite.data import QA, DataError
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
                                    summarize)
-from searchlite.judge import Judge, JudgeError, no_verdict, verdict
+from searchlite.judge import Judge, JudgeError, no_verdict, refused, verdict
 from searchlite.protocol import get_protocol
 
 P = get_protocol("search_r1")
@@ -897,6 +897,7 @@ class JudgeHandler(JSONHandler):
     seen: list = []
     answer = staticmethod(lambda ok, prompt: "True" if ok else "False.")
     fail = staticmethod(lambda prompt: False)  # True: reply 503, as an overloaded server does; or a status
+    finish = staticmethod(lambda prompt: "stop")  # "length": the reply was cut off at max_tokens
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -908,7 +909,8 @@ class JudgeHandler(JSONHandler):
         gold = re.search(r"Gold answer: (.*)", text)
         pred = re.search(r"Predicted answer: (.*)", text)
         ok = bool(gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | "))
-        self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": self.answer(ok, text)}}]})
+        self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": self.answer(ok, text)},
+                                          "finish_reason": self.finish(text)}]})
 
 
 @pytest.fixture()
@@ -938,18 +940,24 @@ def test_judge_scores_records(judge_server, monkeypatch):
     assert auth == "Bearer sk-test"
 
 
-def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judged(judge_server, monkeypatch):
+def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judged(judge_server, monkeypatch,
+                                                                                   tmp_path, capsys):
     recs = [{"question": q, "golden_answers": ["Paris"], "prediction": p} for q, p in (("q1", "paris"), ("q2", "LONG"))]
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 400 if "LONG" in prompt else False))
-    judge = Judge(judge_server, "m", backoff=0.0)
+    monkeypatch.delenv("TEST_JUDGE_KEY", raising=False)
+    judge = Judge(judge_server, "m", backoff=0.0, key_env="TEST_JUDGE_KEY")
     judge.score(recs)
     assert [r["judge"] for r in recs] == [1.0, 0.0]
-    assert recs[1]["judge_reply"].startswith("ERROR: judge endpoint") and "HTTP 400" in recs[1]["judge_reply"]
-    assert no_verdict(recs) == [recs[1]]  # so the end-of-run warning counts it
+    assert recs[1]["judge_reply"].startswith("ERROR: judge endpoint") and "refused the request" in recs[1]["judge_reply"]
+    assert "HTTP 400" in recs[1]["judge_reply"] and refused(recs[1]) and not refused(recs[0])
+    assert no_verdict(recs) == []  # refused, not a reply without a verdict: the end-of-run warning says so
+    evaluate.warn_no_verdict(recs, tmp_path / "records.jsonl")
+    err = capsys.readouterr().err
+    assert "held no verdict" not in err and "the judge endpoint refused 1 of 2 requests, which count as False" in err
     assert len(JudgeHandler.seen) == 2  # a refused request is not retried
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 401 if "LONG" in prompt else False))
-    with pytest.raises(JudgeError, match="HTTP 401"):  # a key or endpoint fault still stops the run
-        judge.score(recs)
+    with pytest.raises(JudgeError, match=r"refused the request.*HTTP 401.*read from \$TEST_JUDGE_KEY, which is not set"):
+        judge.score(recs)  # a key or endpoint fault still stops the run
 
 
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
@@ -997,9 +1005,36 @@ def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     ("The prediction is correct.", True), ("It is not correct.", False), ("The prediction is wrong.", False),
     ("The answer isn't right", False), ("Both name Paris; the prediction is incorrect? No, it is correct.", True),
     ("The prediction is partially correct.", False), ("The correct answer is Lyon.", None),
+    # a label of the judge's own, or the prompt's question echoed, before an opening verdict
+    ("Verdict: False. The true capital is Lyon.", False), ("Answer: False - the true author was Ada.", False),
+    ("Final answer: False (true birth year is 1901)", False), ("Verdict: correct", True), ("Answer: Yes", True),
+    ("Result: Incorrect.", False), ("Prediction: wrong", False), ("**Verdict**: True", True),
+    ("Correct? No.", False), ("Is the predicted answer correct? Yes, both name Paris.", True),
+    # "true" after the/a/its is an adjective, not a verdict
+    ("The prediction is incorrect, the true founder was Ada.", False), ("It is a true statement", None),
+    ("Lyon is not its true capital, so False", False),
 ])
 def test_verdict(reply, expected):
     assert verdict(reply) is expected
+
+
+def test_a_reply_cut_off_at_max_tokens_has_only_its_opening_verdict(judge_server, monkeypatch):
+    """A reasoning judge whose <think> was in the prompt and that ran out of tokens sends a thought
+    with no tags: its last "true" was read as the verdict."""
+    thought = "Okay, Lyon is not Paris, but let me see whether it could still be true"
+    assert verdict(thought) is True and verdict(thought, cut=True) is None
+    assert verdict("False. The true", cut=True) is False and verdict("<think>x</think> True because", cut=True)
+    monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: thought))
+    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "length"))
+    recs = [{"question": "q1", "golden_answers": ["Paris"], "prediction": "Lyon"}]
+    Judge(judge_server, "m").score(recs)
+    assert recs[0]["judge"] == 0.0 and recs[0]["judge_cut"] is True and no_verdict(recs) == recs
+    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "stop"))  # a whole reply: its last word
+    Judge(judge_server, "m").score(recs)
+    assert recs[0]["judge"] == 1.0 and "judge_cut" not in recs[0] and no_verdict(recs) == []
+    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "length"))
+    with pytest.raises(JudgeError, match="no verdict on a test question"):
+        Judge(judge_server, "m").check()
 
 
 def test_judge_check_needs_a_verdict_on_its_test_questions(judge_server, monkeypatch):
@@ -1107,7 +1142,11 @@ def test_stale_records_are_judged_and_saved_a_batch_at_a_time(tok, tmp_path, jud
 
 
 def test_cli_with_judge(world, tmp_path, judge_server, capsys):
+    evaluate.main(cli(world, tmp_path / "none", "--methods", "direct", "--judge_model", "m", "--judge_max_tokens", "9"))
+    assert "note: --judge_model, --judge_max_tokens set without --judge_url: no judge is asked" in capsys.readouterr().err
+    assert not JudgeHandler.seen
     evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--judge_url", judge_server))
+    assert "note:" not in capsys.readouterr().err
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "judge" in results["metrics"]["alpha"]["direct"]["all"]
     assert "LasJ" in (tmp_path / "out" / "table.md").read_text()
@@ -1129,6 +1168,11 @@ def test_verdicts_of_two_judge_setups_are_not_averaged(world, tmp_path, judge_se
     evaluate.main(cli(world, out, "--methods", "direct"))
     metrics = json.loads((out / "results.json").read_text())["metrics"]["alpha"]["direct"]
     assert all("judge" not in m and "em" in m for m in metrics.values())
+    assert "LasJ" not in (out / "table.md").read_text()
+    assert "verdicts from 2 judge setups; LasJ is left out" in capsys.readouterr().err
+    lines[0]["judge_setup"], lines[0]["judge_model"] = lines[1]["judge_setup"], "another-model"  # the same setup
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))  # but another model: its hash leaves the name out
+    evaluate.main(cli(world, out, "--methods", "direct"))
     assert "LasJ" not in (out / "table.md").read_text()
     assert "verdicts from 2 judge setups; LasJ is left out" in capsys.readouterr().err
 
