@@ -12,11 +12,12 @@ sampling is restricted to the toy tokenizer's 2,400 ids (`generation_config.supp
 while scoring and the update compute full-vocabulary logits as a real 3B model does.
 
 The step is train.py's: HFSampler rollout (Search-R1's loop, gradient checkpointing on) ->
-old and reference log-probs -> group advantages -> `train.update` (clipped loss + k3 KL, one
-AdamW step over micro-batches). A random model never answers right, so the rewards are 1, 0,
-1, 0, ... within each group: the update is a real one, not a zero-advantage no-op. It also
+reference log-probs (and old ones only where train.py scores them: GRPO's single on-policy step
+takes them from the update's own forward) -> group advantages -> `train.update` (clipped loss +
+k3 KL, one AdamW step over micro-batches). A random model never answers right, so the rewards are set to 0, 1,
+0, 1, ... within each group: the update is a real one, not a zero-advantage no-op. It also
 checks that the reference scored after a CPU round trip (`--ref_offload`'s path) gives the same
-log-probs as on the device. Tokens/s: rollout = tokens the policy sampled / rollout seconds
+log-probs as on the device (on a GPU: on CPU there is no round trip, and the check says so). Tokens/s: rollout = tokens the policy sampled / rollout seconds
 (generation and retrieval); update = trajectory tokens (prompt, sampled and retrieved) through
 forward + backward / update seconds.
 
@@ -213,13 +214,14 @@ def main(argv=None) -> dict:
 
     # ------------------------------------------------------------------ old / reference log-probs
     t0 = sync(device)
-    old_logp = train.score_tokens(policy, ro, cfg.micro_batch_size, device)  # (N, T)
+    on_policy = train.one_step_on_policy(cfg, len(ro))  # as train.py: no scoring pass for the old log-probs
+    old_logp = None if on_policy else train.score_tokens(policy, ro, cfg.micro_batch_size, device)  # (N, T)
     ref_logp = train.score_tokens(ref, ro, cfg.micro_batch_size, device)  # (N, T)
     t_score = sync(device) - t0
-    print(f"scoring: old + reference log-probs, {t_score:.1f}s", flush=True)
+    print(f"scoring: {'reference' if on_policy else 'old + reference'} log-probs, {t_score:.1f}s", flush=True)
 
     # ------------------------------------------------------------------ advantages, update
-    rewards = torch.arange(len(ro)).remainder(2).float()  # (N,) 1, 0, 1, 0: mixed groups (see docstring)
+    rewards = torch.arange(len(ro)).remainder(2).float()  # (N,) 0, 1, 0, 1: mixed groups (see docstring)
     adv = broadcast(group_advantages(rewards, args.group), ro.loss_mask.float())  # (N, T)
     policy.train()
     t0 = sync(device)
@@ -233,15 +235,18 @@ def main(argv=None) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ reference offload
-    ref.to("cpu")  # --ref_offload's path: kept in CPU memory, moved to the device only to score
-    t0 = sync(device)
-    with on_device(ref, device, enabled=True):
-        offloaded = train.score_tokens(ref, ro, cfg.micro_batch_size, device)  # (N, T)
-    t_offload = sync(device) - t0
-    diff = float((offloaded - ref_logp).abs().max())
-    if diff > 0:
-        raise RuntimeError(f"the reference scored after a CPU round trip differs (max |diff| {diff:.3g})")
-    print(f"reference offload: identical log-probs after a CPU round trip ({t_offload:.1f}s with the moves)")
+    if device.type == "cpu":
+        print("reference offload: not checked on CPU (the reference is there already: nothing moves)")
+    else:
+        ref.to("cpu")  # --ref_offload's path: kept in CPU memory, moved to the device only to score
+        t0 = sync(device)
+        with on_device(ref, device, enabled=True):
+            offloaded = train.score_tokens(ref, ro, cfg.micro_batch_size, device)  # (N, T)
+        t_offload = sync(device) - t0
+        diff = float((offloaded - ref_logp).abs().max())
+        if diff > 0:
+            raise RuntimeError(f"the reference scored after a CPU round trip differs (max |diff| {diff:.3g})")
+        print(f"reference offload: identical log-probs after a CPU round trip ({t_offload:.1f}s with the moves)")
 
     result = {"params_b": n_params / 1e9, "trajectories": len(ro), "sampled_tokens": sampled,
               "update_tokens": update_tokens, "rollout_tok_s": sampled / t_rollout,
