@@ -77,12 +77,111 @@ def test_ppo_trains_on_whitened_advantages_and_raw_returns(tiny_model, tmp_path,
         assert float(raw[on].std()) > 0 and torch.all(adv[~on] == 0)
 
 
+def test_the_training_reward_is_exact_match_of_the_final_answer():
+    """Search-R1's outcome reward: EM of the parsed answer against any gold; no answer scores 0."""
+    from types import SimpleNamespace
+
+    from searchlite.data import QA
+
+    ro = SimpleNamespace(answers=["Paris.", "the Seine", None, "Lyon"])
+    questions = [QA("a", "q", ["paris"]), QA("b", "q", ["Rhine", "Seine"]), QA("c", "q", ["x"]), QA("d", "q", ["Paris"])]
+    assert train.compute_rewards(ro, questions).tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "reinforce_pp", "ppo"])
+def test_the_loop_hands_update_the_advantages_of_its_rewards(tiny_model, tmp_path, varied_reward, monkeypatch, algo):
+    """What train.py passes to update(), against references built here from the step's rewards
+    and log-probs: GRPO's group-normalised scores (a naive loop); REINFORCE++'s and PPO's with the
+    KL to the reference, k1 = old - ref, in the reward (a large kl_coef, so its sign shows); PPO's
+    lambda-returns from the critic's values. Then the update moves the critic's values toward
+    those returns."""
+    from searchlite.advantages import gae, ppo_token_rewards, reinforce_pp_advantages
+    from searchlite.losses import masked_whiten
+
+    seen, real_update, real_rewards = [], train.update, train.compute_rewards
+
+    def rewards_spy(ro, questions):
+        scores = real_rewards(ro, questions)  # the varied_reward stand-in
+        seen.append({"scores": scores.clone()})
+        return scores
+
+    def update_spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret,
+                   mem):
+        seen[-1].update(ro=ro, old=old_logp, ref=ref_logp, adv=adv.clone(), values=old_values, ret=ret, cfg=cfg)
+        stats = real_update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt,
+                            old_values, ret, mem)
+        if critic is not None:
+            seen[-1]["values_after"] = train.score_tokens(critic, ro, 4, device, values=True)
+        return stats
+
+    monkeypatch.setattr(train, "compute_rewards", rewards_spy)
+    monkeypatch.setattr(train, "update", update_spy)
+    train.main(args(tiny_model, tmp_path / algo, algo, steps=2, extra=["--kl_coef", "0.5", "--critic_lr", "1e-3"]))
+    assert len(seen) == 2
+    for k, step in enumerate(seen):
+        scores, ro, adv, cfg = step["scores"], step["ro"], step["adv"], step["cfg"]
+        mask = ro.loss_mask.float()  # (N, T)
+        assert float(scores.std()) > 0  # mixed rewards: the advantages say something
+        if algo == "grpo":
+            want = torch.zeros_like(adv)
+            for i in range(len(scores)):
+                g = scores[i - i % 2: i - i % 2 + 2]  # --group 2: a question's rollouts are adjacent
+                want[i] = (scores[i] - g.mean()) / (g.std() + 1e-6) * mask[i]
+            torch.testing.assert_close(adv, want, rtol=0, atol=1e-6)
+            continue
+        kl = (step["old"] - step["ref"]) * mask  # k1, per sampled token
+        assert (k == 0) == (float(kl.abs().max()) == 0)  # step 1 samples with the reference itself; step 2 not
+        if algo == "reinforce_pp":
+            want = reinforce_pp_advantages(scores, kl, mask, 0.5, cfg.gamma)
+            torch.testing.assert_close(adv, want, rtol=0, atol=1e-5)
+        else:
+            token_rewards = ppo_token_rewards(scores, kl, mask, 0.5)  # (N, T)
+            want_adv, want_ret = gae(token_rewards, step["values"], mask, cfg.gamma, cfg.lam, whiten=masked_whiten)
+            torch.testing.assert_close(adv, want_adv, rtol=0, atol=1e-5)
+            torch.testing.assert_close(step["ret"], want_ret, rtol=0, atol=1e-5)
+            on = mask.bool()
+            moved = (step["values_after"] - step["values"])[on]
+            assert float(((step["ret"] - step["values"])[on] * moved).sum()) > 0  # toward the returns
+
+
+def test_the_r1pp_reward_is_the_sum_of_its_three_terms(tiny_model, tmp_path, monkeypatch):
+    """--reward r1pp trains on R_format + R_answer + R_group, each term as reward_terms gives it (the
+    terms themselves are tested on hand-made groups in test_r1pp.py); a random model's group term
+    is always 0, so the terms here are stand-ins with none zero."""
+    seen, real_update = [], train.update
+
+    def terms(ro, questions, protocol, group, eta, group_reward, group_sigma):
+        n = len(ro)
+        made = {"format": -2.0 * (torch.arange(n) % 3 == 0), "answer": (torch.arange(n) % 2).float(),
+                "group": 0.25 * torch.arange(n).float()}
+        seen.append({k: v.clone() for k, v in made.items()})
+        return made
+
+    def update_spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, *rest):
+        seen[-1]["adv"] = adv.clone()
+        seen[-1]["mask"] = ro.loss_mask.float()
+        return real_update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, *rest)
+
+    monkeypatch.setattr(train, "reward_terms", terms)
+    monkeypatch.setattr(train, "update", update_spy)
+    train.main(args(tiny_model, tmp_path / "r1pp", "grpo", steps=1, extra=["--reward", "r1pp", "--group", "4"]))
+    (step,) = seen
+    scores = step["format"] + step["answer"] + step["group"]
+    want = torch.cat([(g - g.mean()) / (g.std() + 1e-6) for g in scores.view(-1, 4)])
+    torch.testing.assert_close(step["adv"], want[:, None] * step["mask"], rtol=0, atol=1e-6)
+    row = metrics(tmp_path / "r1pp")[-1]
+    assert row["reward"] == pytest.approx(float(scores.mean())) and row["r_group"] == pytest.approx(0.875)
+
+
 def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
-    """A run stopped after step 2 and resumed to step 4 logs what an uninterrupted run logs."""
+    """A run stopped after step 2 and resumed to step 4 logs what an uninterrupted run logs, and
+    ends with the same policy and critic. Both learning rates are still warming up when it stops
+    (3 and 6 steps), so each scheduler's state must come back."""
     full, part = tmp_path / "full", tmp_path / "part"
-    train.main(args(tiny_model, full, "ppo", steps=4))
-    train.main(args(tiny_model, part, "ppo", steps=2))
-    train.main(args(tiny_model, part, "ppo", steps=4, extra=["--resume"]))
+    warm = ["--warmup_steps", "3", "--critic_warmup_steps", "6", "--critic_lr", "1e-2"]
+    train.main(args(tiny_model, full, "ppo", steps=4, extra=warm))
+    train.main(args(tiny_model, part, "ppo", steps=2, extra=warm))
+    train.main(args(tiny_model, part, "ppo", steps=4, extra=[*warm, "--resume"]))
     # wall times differ; the part run also evaluated when it stopped at step 2
     keep = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "t_rollout", "t_push") and not k.startswith("eval/")}  # noqa: E731
     a, b = metrics(full), metrics(part)
@@ -91,9 +190,9 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
         k: v for k, v in b[-1].items() if k.startswith("eval/")}
     from safetensors.torch import load_file
 
-    wa = load_file(full / "checkpoint" / "policy" / "model.safetensors")
-    wb = load_file(part / "checkpoint" / "policy" / "model.safetensors")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for model in ("policy", "critic"):
+        wa, wb = (load_file(next((run / "checkpoint" / model).glob("*.safetensors"))) for run in (full, part))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), model
 
 
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tmp_path, monkeypatch, varied_reward,
