@@ -205,6 +205,50 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     assert r1pp.join(kept, None, tok) is kept
 
 
+def test_two_questions_with_the_same_correct_response_are_both_kept(byte_tokenizer):
+    """A trajectory is the same one only with the same prompt: two questions answered alike are two
+    trajectories (the same response ids, each after its own question)."""
+    scripts = {"q-one": [internal("paris")], "q-two": [internal("paris")]}
+    qa = [QA(k, k, ["Paris"]) for k in scripts]
+    kept, n, _ = r1pp.rejection_sample(ScriptedSampler(byte_tokenizer, scripts), FixedRetriever(), byte_tokenizer, PP,
+                                       qa, samples=2, batch_size=2, max_turns=1, topk=1, chat_template=False)
+    assert n["kept"] == 2 and n["questions_kept"] == 2  # and each question's two identical samples once
+
+
+def test_a_searched_search_r1_trajectory_is_well_formed(byte_tokenizer):
+    """--reward r1pp with --protocol search_r1: the rollout's <information> blocks after a search are the
+    environment's, as R1-Searcher++'s result blocks are."""
+    from searchlite.rollout import rollout
+
+    sr1 = get_protocol("search_r1", "toy")
+
+    class Sampler:
+        def generate(self, prompts, stop=(), greedy=False, budget=None):
+            return [byte_tokenizer.encode("<search> capital </search>" if "<information>" not in
+                                          byte_tokenizer.decode(p) else "<answer> Paris </answer>",
+                                          add_special_tokens=False) for p in prompts]
+
+    ro = rollout(Sampler(), FixedRetriever(), byte_tokenizer, sr1, ["q?"], max_turns=2, topk=1, chat_template=False)
+    assert ro.searches.tolist() == [1] and "<information>" in ro.responses[0]
+    assert r1pp.well_formed(ro.responses[0], sr1) and r1pp.is_correct(ro.responses[0], ro.answers[0], ["Paris"], sr1)
+    assert not r1pp.well_formed("<information> made up </information> <answer> Paris </answer>", sr1)
+
+
+def test_memorization_reads_and_keeps_well_formed_trajectories_only(byte_tokenizer):
+    """A right answer in a malformed trajectory (an unclosed tag, two answers) is not correct: it
+    seeds no rewrite, and a malformed rewrite is not kept."""
+    assert not r1pp.keep_rewrite("<|begin_internal_answer|> paris \\boxed{paris}", ["Paris"], PP)
+    assert r1pp.keep_rewrite(internal("paris"), ["Paris"], PP)
+    doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
+    two_answers = searched("paris") + " Or \\boxed{paris}."
+    assert not r1pp.well_formed(two_answers, PP)
+    ro = _Fake([(two_answers, "paris", 1), (searched("paris"), "paris", 1)], docs=[[doc], [doc]])
+    sampler = ScriptedSampler(byte_tokenizer, {"q-a": [internal("paris")], "q-b": [internal("paris")]})
+    mem, tried = r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), ro,
+                                         [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])], chat_template=False)
+    assert tried == 1 and len(mem) == 1 and all("Question: q-b" in p for p in sampler.prompts)
+
+
 def test_rewrite_prompt_keeps_each_passage_once_even_without_ids(byte_tokenizer):
     """A retrieval server may send passages without ids (retrieval._parse_item gives them ""):
     the bridge passage of a 2-hop question must not be lost to the second one."""
@@ -467,13 +511,33 @@ def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_token
 # ---------------------------------------------------------------------------- end to end
 
 
-def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path):
+def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatch):
+    from searchlite import sft
+
     out = tmp_path / "s1"
-    small = ["--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "2"]
+    small = ["--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "2",
+             "--sft_epochs", "2"]
+    trained, real_sft = [], sft.sft
+
+    def sft_spy(model, input_ids, loss_mask, **kw):
+        trained.append((input_ids, loss_mask))
+        return real_sft(model, input_ids, loss_mask, **kw)
+
+    monkeypatch.setattr(sft, "sft", sft_spy)
     r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), *small])
     counts = json.loads((out / "stage1.json").read_text())
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
     assert 0 < counts["rewrite_demos"] <= min(2, counts["kept"] - counts["kept_internal"])
+    rows = counts["kept"] + counts["rewrite_demos"]
+    assert counts["sft_steps"] == 2 * -(-rows // 4)  # --sft_epochs 2 of --sft_batch_size 4
+    (ids, mask), = trained  # SFT on the sampled tokens alone: no prompt, no search result
+    tok = load_tokenizer(str(out / "model"))
+    assert len(ids) == rows and not mask[:, 0].any()
+    for row, m in zip(ids, mask):
+        text = tok.decode(row[m.bool()], skip_special_tokens=False)
+        assert "Question:" not in text and PP.info_open not in text and "Doc 1" not in text
+    searched_rows = [i for i in range(rows) if PP.info_open in tok.decode(ids[i], skip_special_tokens=False)]
+    assert searched_rows  # the check above saw result blocks to leave out
     assert (out / "model" / "model.safetensors").exists() and (out / "trajectories" / "kept.html").exists()
     lines = (out / "rejection_sampling.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["fields"]["group"] == 2 and json.loads(lines[1])["next"] == 6
