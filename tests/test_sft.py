@@ -38,6 +38,54 @@ def test_every_row_is_in_one_batch_an_epoch():
     lengths = torch.randint(1, 50, (203,), generator=torch.Generator().manual_seed(0))
     batches = length_batches(lengths, 8, torch.Generator().manual_seed(1), pool=4)
     assert sorted(torch.cat(batches).tolist()) == list(range(203)) and len(batches) == 26
+    # rows of like length share a batch, but the batches come in a shuffled order, not shortest first
+    assert sum(int(lengths[b].max() - lengths[b].min()) for b in batches) < 26 * 49 / 4
+    for drawn in (batches, length_batches(lengths, 8, torch.Generator().manual_seed(1))):  # 4 pools; one pool
+        longest = [int(lengths[b].max()) for b in drawn]
+        assert longest != sorted(longest) and longest != sorted(longest, reverse=True)
+
+
+def test_each_epoch_draws_another_batch_order_and_the_lr_follows_the_documented_schedule(byte_tokenizer,
+                                                                                         monkeypatch):
+    """warm-up 20 times a cosine from step 0 over every step, ceil(rows / batch) a step an epoch: a
+    40-step run peaks at 0.56 x lr (the docstring), its first step trains at lr / 20 and its last
+    above 0; and each epoch shuffles the rows anew."""
+    import math
+
+    import searchlite.sft as sft_module
+
+    lrs, orders, real_step, real_batches = [], [], torch.optim.AdamW.step, sft_module.length_batches
+
+    def step(self, *a, **kw):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **kw)
+
+    def batches(*a, **kw):
+        drawn = real_batches(*a, **kw)
+        orders.append([b.tolist() for b in drawn])
+        return drawn
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(sft_module, "length_batches", batches)
+    ids, mask, attention = rows(byte_tokenizer, n=39)  # 39 rows of 4: 10 steps an epoch, the last of 3 rows
+    sft(make_tiny_llama(byte_tokenizer), ids, mask, attention_mask=attention, epochs=4, lr=0.5, batch_size=4,
+        progress=False)
+    want = [0.5 * min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / 40)) for s in range(40)]
+    assert lrs == pytest.approx(want, rel=1e-12) and max(lrs) == pytest.approx(0.5 * 0.556, abs=1e-3)
+    assert lrs[0] == pytest.approx(0.5 / 20) and lrs[-1] > 0
+    assert len(orders) == 4 and orders[0] != orders[1]
+
+
+def test_weight_decay_reaches_the_optimizer(byte_tokenizer):
+    """AdamW's own default is 0.01: sft's 0.0 must be passed on, and so must another value."""
+    ids, mask, attention = rows(byte_tokenizer, n=4)
+    trained = []
+    for wd in (0.0, 0.0, 0.5):
+        model = make_tiny_llama(byte_tokenizer)
+        sft(model, ids, mask, attention_mask=attention, lr=1e-2, batch_size=2, weight_decay=wd, progress=False)
+        trained.append(model.state_dict())
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert same(trained[0], trained[1]) and not same(trained[0], trained[2])
 
 
 def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_tokenizer, tmp_path, monkeypatch):
@@ -79,6 +127,10 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
     other[0, 1] += 1  # the same number of rows, other data
     with pytest.raises(ConfigError, match=r"s.pt: saved by a run with other rows to train on; resume with"):
         sft(make_tiny_llama(byte_tokenizer), other, mask, lr=1e-2, **kw)
+    other_mask = mask.clone()
+    other_mask[0, 2] = 1 - other_mask[0, 2]  # the same tokens, another one trained on
+    with pytest.raises(ConfigError, match=r"s.pt: saved by a run with other rows to train on; resume with"):
+        sft(make_tiny_llama(byte_tokenizer), ids, other_mask, lr=1e-2, **kw)
     # named by the caller's flags: stage 1's --sft_batch_size, not its --batch_size (questions a sampling round)
     with pytest.raises(ConfigError, match=r"with --sft_lr = 0.01, this one has 0.001; resume with"):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, lr=1e-3, **kw, flags={"lr": "--sft_lr"})
