@@ -76,6 +76,23 @@ def test_lora_trains_only_the_adapters(tiny_llama):
     assert all(policy.get_parameter(n).grad.abs().sum() > 0 for n in with_grad if "lora_A" in n)
 
 
+def test_lora_alpha_sets_the_adapters_scale(tiny_llama):
+    """--lora_alpha reaches peft: the adapter's output is scaled by alpha / rank (8 / 4 here)."""
+    policy = lora_model(tiny_llama)
+    layer = policy.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    assert policy.peft_config["default"].lora_alpha == 8.0 and layer.scaling["default"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw8bit"])
+def test_the_optimizer_takes_the_weight_decay_given(tiny_llama, kind):
+    """torch's AdamW and bitsandbytes' default to 0.01: --weight_decay 0 (the default) must reach them."""
+    if kind == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+    for wd in (0.0, 0.1):
+        opt = make_adamw(tiny_llama.parameters(), kind, lr=1e-3, weight_decay=wd)
+        assert {g["weight_decay"] for g in opt.param_groups} == {wd}
+
+
 def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward):
     from safetensors.torch import load_file
 
