@@ -31,7 +31,8 @@ from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, 
 
 TOY = TOY_DIR / "corpus.jsonl"
 QUERIES = ["press founder", "who was born in a city", "poet known for a book on stars", "company based in",
-           "bank headquarters", "zzzz unknown words", "", "engines", "the of and"]  # compared across implementations
+           "bank headquarters", "zzzz unknown words", "", "engines", "the of and",
+           "press press founder"]  # compared across implementations; a repeated word counts twice, as in bm25s
 
 
 @pytest.fixture(scope="module")
@@ -444,6 +445,20 @@ def test_search_params_default_follows_the_factory_string(tmp_path, encoder):
     build_dense_folder(TOY, tmp_path / "ivf", encoder, faiss_index="IVF8,Flat", max_length=48, progress=False)
     assert json.loads((tmp_path / "ivf" / "dense.json").read_text())["search_params"] == "nprobe=64"
     assert faiss.extract_index_ivf(load_index(tmp_path / "ivf").index).nprobe == 64
+
+
+def test_an_approximate_index_that_finds_fewer_than_k_returns_only_what_it_found(tmp_path, encoder):
+    """FAISS pads a search that finds fewer than k vectors (IVF probing one list) with id -1 and
+    score -3.4e38: those are no hits, not the corpus's last passage."""
+    import faiss
+
+    build_dense_folder(TOY, tmp_path / "ivf", encoder, faiss_index="IVF8,Flat", max_length=48, progress=False)
+    r = load_index(tmp_path / "ivf")
+    faiss.extract_index_ivf(r.index).nprobe = 1
+    n = r.index.ntotal
+    [hits] = r.search(["press founder"], k=n)
+    assert 0 < len(hits) < n and len({h.id for h in hits}) == len(hits)
+    assert all(h.score > -1e30 for h in hits)
 
 
 def test_search_r1_corpus_and_faiss_index_load_unchanged(tmp_path, encoder, toy_passages):
