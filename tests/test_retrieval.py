@@ -300,6 +300,15 @@ def test_http_client_parses_search_r1_reply(server):
     assert HTTPRetriever(_url(server) + "/retrieve").search(qs[:1], k=1)[0][0].id == "v8"
 
 
+def test_http_client_keeps_the_first_k_of_a_longer_reply(server):
+    """A server that ignores topk (sends its 5 best for k = 2): the passages past k would lengthen
+    every observation."""
+    docs = [{"document": {"id": f"d{i}", "contents": f'"T{i}"\nText {i}.'}, "score": 5.0 - i} for i in range(5)]
+    server.reply = {"result": [docs]}
+    [hits] = HTTPRetriever(_url(server)).search(["q"], k=2)
+    assert [h.id for h in hits] == ["d0", "d1"]
+
+
 def test_http_client_accepts_bare_documents(server):
     server.wrap = False
     [hits] = HTTPRetriever(_url(server)).search(["what causes ocean tides"], k=2)
