@@ -397,8 +397,9 @@ def parse_args(argv=None):
     a("--judge_prompt", default=JUDGE_FLAGS["judge_prompt"],
       help="judge prompt file (default searchlite/templates/judge.txt)")
     a("--judge_key_env", default=JUDGE_FLAGS["judge_key_env"], help="environment variable holding the judge's API key")
-    a("--judge_max_tokens", type=at_least(1), default=JUDGE_FLAGS["judge_max_tokens"], help="tokens per judge reply: 8 fits 'True'; a reasoning "
-      "judge needs room to finish its <think> first (e.g. 1024)")
+    a("--judge_max_tokens", type=at_least(1), default=JUDGE_FLAGS["judge_max_tokens"],
+      help="tokens per judge reply: 8 fits 'True'; a reasoning judge needs room to finish its <think> first "
+      "(e.g. 1024)")
     a("--progress", type=bool_arg, default=True, help="show progress bars")
     args = ap.parse_args(argv)
     if not args.progress:  # transformers' bars too: loading the weights, converting a GGUF file

@@ -14,12 +14,13 @@ while scoring and the update compute full-vocabulary logits as a real 3B model d
 The step is train.py's: HFSampler rollout (Search-R1's loop, gradient checkpointing on) ->
 reference log-probs (and old ones only where train.py scores them: GRPO's single on-policy step
 takes them from the update's own forward) -> group advantages -> `train.update` (clipped loss +
-k3 KL, one AdamW step over micro-batches). A random model never answers right, so the rewards are set to 0, 1,
-0, 1, ... within each group: the update is a real one, not a zero-advantage no-op. It also
-checks that the reference scored after a CPU round trip (`--ref_offload`'s path) gives the same
-log-probs as on the device (on a GPU: on CPU there is no round trip, and the check says so). Tokens/s: rollout = tokens the policy sampled / rollout seconds
-(generation and retrieval); update = trajectory tokens (prompt, sampled and retrieved) through
-forward + backward / update seconds.
+k3 KL, one AdamW step over micro-batches). A random model never answers right, so the rewards
+are set to 0, 1, 0, 1, ... within each group: the update is a real one, not a zero-advantage
+no-op. It also checks that the reference scored after a CPU round trip (`--ref_offload`'s path)
+gives the same log-probs as on the device (on a GPU: on CPU nothing moves, and it says so).
+Tokens/s: rollout = tokens the policy sampled / rollout seconds (generation and retrieval);
+update = trajectory tokens (prompt, sampled and retrieved) through forward + backward / update
+seconds.
 
 A smoke test, not a benchmark: it shows that the step runs, is finite and fits in memory. Its
 tokens/s come from a single step each, and the update's from the first one, which also pays

@@ -7,11 +7,11 @@ One interface, so the rollout does not care who generates:
 Each returned list holds exactly the ids the model sampled for that prompt, up to and
 including the first stop string or EOS (nothing is decoded and re-encoded). `budget`, one
 int per prompt, caps its new tokens below `max_new_tokens`: the rollout passes the tokens each
-trajectory has left to max_len, so a turn near the end is not generated in full and then cut. `HFSampler`
-runs transformers' `generate` on the training policy itself (left padding, temperature /
-top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM in-process. The
-trainer calls `release()` after a rollout, `push_weights(policy)` after the update and
-`close()` at the end.
+trajectory has left to max_len, so a turn near the end is not generated in full and then cut.
+`HFSampler` runs transformers' `generate` on the training policy itself (left padding,
+temperature / top-p, stop strings); `VLLMSampler` (searchlite.vllm_sampler) runs vLLM
+in-process. The trainer calls `release()` after a rollout, `push_weights(policy)` after the
+update and `close()` at the end.
 
 Seeding: sampling call number `n` of a sampler seeded with `s` runs under
 `torch.manual_seed(call_seed(s, n))` inside `fork_rng`, so a rollout is reproducible, does not
@@ -26,6 +26,11 @@ from __future__ import annotations
 import torch
 
 from .models import autocast
+
+
+def token_caps(max_new: int, budget: list[int] | None, n: int) -> list[int]:
+    """The new tokens each of `n` prompts may take: `max_new`, or its `budget` where that is less."""
+    return [max_new] * n if budget is None else [min(max_new, b) for b in budget]
 
 
 def call_seed(seed: int, call: int) -> int:
@@ -133,7 +138,7 @@ class HFSampler:
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
                  greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
         max_new = max_new_tokens or self.max_new_tokens
-        caps = [max_new] * len(prompts) if budget is None else [min(max_new, b) for b in budget]
+        caps = token_caps(max_new, budget, len(prompts))
         step = self.batch_size or len(prompts) or 1
         device = next(self.model.parameters()).device
         on_gpu = device.type == "cuda"

@@ -55,7 +55,7 @@ import torch
 from .config import resolve_path
 from .memory import is_adapter
 from .model_spec import merged_folder
-from .sampler import PromptTooLong, call_seed
+from .sampler import PromptTooLong, call_seed, token_caps
 
 
 def _skip_thread_warning(record: logging.LogRecord) -> bool:
@@ -239,7 +239,7 @@ class VLLMSampler:
         max_new = max_new_tokens or self.max_new_tokens
         base = call_seed(self.seed, self.calls)
         self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
-        caps = [max_new] * len(prompts) if budget is None else [min(max_new, b) for b in budget]
+        caps = token_caps(max_new, budget, len(prompts))
         params = [self._params(len(p), cap, stop, greedy, None if self.on_cpu or greedy else call_seed(base, i))
                   for i, (p, cap) in enumerate(zip(prompts, caps))]
         from vllm.inputs import TokensPrompt
