@@ -146,7 +146,8 @@ RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optim
 RESUME_FIXED_LORA = ("lora_rank", "lora_alpha", "lora_targets")  # only an adapter keeps these
 
 
-RESUME_FREE = ("resume", "steps", "out_dir")  # expected to differ on a resume: not worth a note
+RESUME_FREE = ("resume", "steps", "out_dir",  # expected to differ on a resume: not worth a note
+               "searchlite_sources")  # (not a setting: where each one came from, a preset line or a flag)
 
 
 def check_resume(cfg, digest: dict | None = None) -> list[str]:

@@ -173,6 +173,62 @@ def test_the_r1pp_reward_is_the_sum_of_its_three_terms(tiny_model, tmp_path, mon
     assert row["reward"] == pytest.approx(float(scores.mean())) and row["r_group"] == pytest.approx(0.875)
 
 
+def test_ppo_settings_reach_the_update_and_the_log(tiny_model, tmp_path, varied_reward, monkeypatch):
+    """Checkpoints every --save_every steps and at the end; trajectory pages every
+    --log_trajectories_every; --ppo_epochs passes over --mini_batch_size mini-batches, each step's
+    gradients clipped to --grad_clip (policy and critic); each optimizer's learning rate warms up
+    over its own steps (--warmup_steps, --critic_warmup_steps) to its own rate (--lr, --critic_lr);
+    the logged loss statistics are the means over the optimizer steps of a training step."""
+    saved, clips, steps, real_save, real_clip, real_update = [], [], [], train.save_checkpoint, \
+        torch.nn.utils.clip_grad_norm_, train.update
+
+    def save_spy(out, policy, tokenizer, state, *rest):
+        saved.append(state["step"])
+        return real_save(out, policy, tokenizer, state, *rest)
+
+    def clip_spy(params, max_norm, *a, **kw):
+        clips.append(max_norm)
+        return real_clip(params, max_norm, *a, **kw)
+
+    def update_spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, *rest):
+        lrs = (opt.param_groups[0]["lr"], critic_opt.param_groups[0]["lr"])
+        stats = real_update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, *rest)
+        steps.append((lrs, stats))
+        return stats
+
+    monkeypatch.setattr(train, "save_checkpoint", save_spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
+    monkeypatch.setattr(train, "update", update_spy)
+    out = tmp_path / "ppo"
+    train.main(args(tiny_model, out, "ppo", steps=5, extra=[
+        "--save_every", "2", "--log_trajectories_every", "2", "--mini_batch_size", "2", "--ppo_epochs", "2",
+        "--grad_clip", "0.5", "--lr", "1e-2", "--warmup_steps", "3", "--critic_lr", "1e-3",
+        "--critic_warmup_steps", "4", "--eval_every", "0"]))
+    assert saved == [2, 4, 5]
+    assert sorted(p.name for p in (out / "trajectories").iterdir()) == ["step00002.html", "step00004.html"]
+    n_opt = 2 * 2  # 4 trajectories a step in mini-batches of 2, twice
+    assert all(len(stats["grad_norm"]) == n_opt for _, stats in steps) and clips == [0.5] * (2 * n_opt * 5)
+    assert [lr for lrs, _ in steps for lr in lrs] == pytest.approx(
+        [lr for k in range(5) for lr in (1e-2 * min(1, (k + 1) / 3), 1e-3 * min(1, (k + 1) / 4))], rel=1e-12)
+    rows = metrics(out)[1:]
+    for row, (_, stats) in zip(rows, steps):
+        for key in ("loss", "kl", "clipfrac", "entropy", "vf_loss"):
+            assert row[key] == pytest.approx(sum(stats[key]) / n_opt, rel=1e-6, abs=1e-9), key
+        assert row["grad_norm"] == pytest.approx(sum(stats["grad_norm"]) / n_opt, rel=1e-6)
+
+
+def test_a_ppo_resume_with_another_critic_setting_is_refused(tiny_model, tmp_path, varied_reward, capsys):
+    """The critic's optimizer and schedule keep the checkpoint's rate; the preset's value given as a
+    flag is no change, and no note."""
+    out = tmp_path / "ppo"
+    train.main(args(tiny_model, out, "ppo", steps=1))
+    with pytest.raises(SystemExit, match=r"trained with critic_lr = 0.001, this run has 0.002"):
+        train.main(args(tiny_model, out, "ppo", steps=2, extra=["--resume", "--critic_lr", "2e-3"]))
+    capsys.readouterr()
+    train.main(args(tiny_model, out, "ppo", steps=2, extra=["--resume", "--critic_lr", "1e-3"]))  # [toy]'s own
+    assert "changes the checkpoint's settings" not in capsys.readouterr().out
+
+
 def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     """A run stopped after step 2 and resumed to step 4 logs what an uninterrupted run logs, and
     ends with the same policy and critic. Both learning rates are still warming up when it stops
