@@ -42,6 +42,8 @@ def test_bool_flags(presets):
     assert parse_args(["--resume"], presets).resume is True
     assert parse_args(["--resume", "--group", "2"], presets).resume is True
     assert parse_args(["--mask_retrieved", "false"], presets).mask_retrieved is False
+    for word, value in (("TRUE", True), ("Yes", True), ("1", True), ("False", False), ("NO", False), ("0", False)):
+        assert parse_args(["--mask_retrieved", word], presets).mask_retrieved is value, word
     with pytest.raises(ConfigError, match="mask_retrieved"):
         parse_args(["--mask_retrieved", "maybe"], presets)
 

@@ -20,6 +20,17 @@ def _write_lines(path, lines):
     return path
 
 
+def test_a_log_line_torn_by_an_interrupt_is_cut_so_the_next_append_starts_whole(tmp_path):
+    from searchlite.data import append_log, read_log
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"st')
+    assert read_log(log, cut=False) == [{"step": 1}] and log.read_text().endswith('{"st')  # a reader leaves it
+    assert read_log(log) == [{"step": 1}] and log.read_text() == '{"step": 1}\n'
+    append_log(log, [{"step": 2}])
+    assert read_log(log) == [{"step": 1}, {"step": 2}]
+
+
 def test_corpus_wiki18_form(tmp_path):
     p = _write_lines(tmp_path / "c.jsonl", [
         json.dumps({"id": "12", "contents": '"Paris"\nParis is the capital of France.\nSecond line.'}),

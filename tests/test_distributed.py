@@ -548,5 +548,7 @@ def test_settings_two_processes_cannot_use_are_refused_before_training(monkeypat
         dist.check_settings(8, 4, "fsdp", lora_rank=8)
     with pytest.raises(ValueError, match="batch_size 7 does not split over 2 processes"):
         dist.check_settings(7, 0, "ddp")
+    with pytest.raises(ValueError, match=r"mini_batch_size 3 \(trajectories of all processes .*does not split over 2"):
+        dist.check_settings(8, 3, "ddp")  # each rank's share, 3 // 2, would silently be 1
     monkeypatch.setattr(dist, "world", lambda: 1)
     dist.check_settings(7, 0, "fsdp", lora_rank=8, optimizer="adamw8bit")  # one process: nothing is sharded

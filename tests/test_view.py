@@ -33,6 +33,18 @@ def test_render_colours_and_content(byte_tokenizer, tmp_path):
     assert "searches 1" in page and "reward <span class='ok'>1</span>" in page
     path = write_html(tmp_path / "sub" / "v.html", ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
     assert path.read_text() == render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
+    # a reward of 0 (R1-Searcher++'s: also negative) is not shown as a success
+    assert "reward <span class='bad'>0</span>" in page and "reward <span class='bad'>-2</span>" in render(
+        ro, tok, [1.0, -2.0], [["Paris"], ["Rome"]])
+    # the first trajectory's text after its prompt, exactly: no prompt token in it, none lost
+    first = page.split("<div class='traj'>")[1]
+    shown = html.unescape("".join(re.findall(r"<span class='(?:policy|other)'>(.*?)</span>", first.split("</details>")[1],
+                                             re.S)))
+    p, n = int(ro.prompt_len[0]), int(ro.attention_mask[0].sum())
+    assert shown == tok.decode(ro.input_ids[0, p:n].tolist(), skip_special_tokens=False)
+    assert render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]], limit=1).count("<div class='traj'>") == 1
+    ro.answers[0] = "<b>Paris</b>"  # the model's answer is its text, never markup
+    assert "answer <b>&lt;b&gt;Paris&lt;/b&gt;</b>" in render(ro, tok, [1.0, 0.0], [["Paris"], ["Rome"]])
 
 
 def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
