@@ -34,7 +34,8 @@ import torch
 
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
-from searchlite.config import ConfigError, check_config, format_config, parse_args, resolve_path, save_config
+from searchlite.config import (ConfigError, check_config, format_config, parse_args, resolve_path, save_config,
+                               to_dict)
 from searchlite.data import DataError, json_line, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
@@ -146,8 +147,7 @@ RESUME_FIXED_PPO = ("critic_lr", "critic_warmup_steps")  # only a critic's optim
 RESUME_FIXED_LORA = ("lora_rank", "lora_alpha", "lora_targets")  # only an adapter keeps these
 
 
-RESUME_FREE = ("resume", "steps", "out_dir",  # expected to differ on a resume: not worth a note
-               "searchlite_sources")  # (not a setting: where each one came from, a preset line or a flag)
+RESUME_FREE = ("resume", "steps", "out_dir")  # expected to differ on a resume: not worth a note
 
 
 def check_resume(cfg, digest: dict | None = None) -> list[str]:
@@ -180,7 +180,7 @@ def check_resume(cfg, digest: dict | None = None) -> list[str]:
                           f"{', '.join(files)}); the KL reference, a LoRA's base and R1-Searcher++'s rewrite model "
                           "come from it. Put that model back (a rerun of stage 1 keeps it as model.previous), or "
                           "start a new --out_dir")
-    return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in vars(cfg).items()
+    return [f"{k}: {saved[k]!r} -> {v!r}" for k, v in to_dict(cfg).items()
             if k in saved and k not in RESUME_FREE + keys and saved[k] != v]
 
 
@@ -598,7 +598,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
                 # states differ per rank, so rank 0 keeps each rank's), rank 0 writes
                 state = {"step": step + 1, "opt": dist.optimizer_state(policy, opt), "sched": sched.state_dict(),
                          "rng": dist.per_rank(rng_state()), "sampler": dist.per_rank(sampler.state_dict()),
-                         "config": vars(cfg), "model_digest": model_digest}
+                         "config": to_dict(cfg), "model_digest": model_digest}
                 if critic is not None:
                     state |= {"critic_opt": dist.optimizer_state(critic, critic_opt),
                               "critic_sched": critic_sched.state_dict()}
