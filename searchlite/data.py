@@ -386,7 +386,7 @@ def held_folder(folder, name: str, busy: Exception, scratch: tuple[str, ...] = (
         yield lock
     finally:
         left = {p.name for p in folder.iterdir()} if made else set()
-        if made and name in left and left <= {name, *scratch}:
+        if name in left and left <= {name, *scratch}:
             for entry in sorted(left - {name}) + [name]:  # the lock last, while still held: no other run has it
                 (folder / entry).unlink()
             with contextlib.suppress(OSError):  # another run put a file there meanwhile: the folder stays

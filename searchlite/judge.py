@@ -81,6 +81,7 @@ class JudgeError(RuntimeError):
 
 
 REFUSED_RECORD = (400, 413, 422)  # a request refused for what one prediction holds (length, a content filter)
+REFUSED_REPLY = "ERROR: "  # what such a record's judge_reply starts with
 
 
 def verdict(reply: str, cut: bool = False) -> bool | None:
@@ -112,7 +113,8 @@ def verdict(reply: str, cut: bool = False) -> bool | None:
     """
     answer = (reply or "").rsplit("</think>", 1)[-1].split("<think>", 1)[0]
     for label in (_LABEL, _OWN_LABEL):
-        answer = answer[label.match(answer).end():] if label.match(answer) else answer
+        if found := label.match(answer):
+            answer = answer[found.end():]
     found = _LEAD.match(answer) or _OPENING_WORD.match(answer)
     if not found and cut:
         return None
@@ -140,7 +142,7 @@ def no_verdict(records: list[dict]) -> list[dict]:
 
 def refused(record: dict) -> bool:
     """Whether the judge endpoint refused to judge `record` (HTTP 400, 413, 422): scored 0.0."""
-    return str(record.get("judge_reply", "")).startswith("ERROR: ")
+    return str(record.get("judge_reply", "")).startswith(REFUSED_REPLY)
 
 
 class Judge:
@@ -232,7 +234,7 @@ class Judge:
         except JudgeError as e:
             if e.status not in REFUSED_RECORD:
                 raise
-            return 0.0, f"ERROR: {e}", False
+            return 0.0, f"{REFUSED_REPLY}{e}", False
         return float(verdict(reply, cut) is True), reply, cut
 
     def score(self, records: list[dict]) -> None:

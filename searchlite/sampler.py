@@ -158,10 +158,12 @@ class HFSampler:
         OPT). Rows with the largest room go first: with no row near its end, it is one call."""
         if not prompts:
             return []
-        if self.max_model_len is not None and min(self.max_model_len - len(p) for p in prompts) <= 0:
-            raise PromptTooLong(max(len(p) for p in prompts), self.max_model_len)
-        rooms = [cap if self.max_model_len is None else min(cap, self.max_model_len - len(p))
-                 for p, cap in zip(prompts, caps)]
+        rooms = caps
+        if self.max_model_len is not None:  # positions left in the model's context
+            left = [self.max_model_len - len(p) for p in prompts]
+            if min(left) <= 0:
+                raise PromptTooLong(max(len(p) for p in prompts), self.max_model_len)
+            rooms = [min(cap, n) for cap, n in zip(caps, left)]
         if min(rooms) <= 0:
             raise ValueError(f"a budget of {min(rooms)} new tokens: each prompt needs at least 1")
         out = [None] * len(prompts)
