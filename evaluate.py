@@ -63,7 +63,10 @@ from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
-FINGERPRINTS = ("model_files", "corpus_file", "data_sha256", "index_files", "encoder_files")  # older runs lack them
+FINGERPRINTS = ("model_files", "corpus_file", "data_sha256", "index_files", "encoder_files",
+                "tokenizer_files")  # older runs lack them
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                   "chat_template.*")  # what AutoTokenizer reads from a folder: fingerprinted by their bytes
 
 
 class EvalError(Exception):
@@ -188,14 +191,20 @@ def stat_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def fingerprints(model_source: str, corpus: str | None, files: dict, index: str = "", encoder: str = "") -> dict:
+def fingerprints(model_source: str, corpus: str | None, files: dict, index: str = "", encoder: str = "",
+                 tokenizer: str = "") -> dict:
     """What the input files hold, so that a resume notices one changed in place (retrained into
     the same folder, a gold answer corrected, an index rebuilt with other BM25 k1 and b): each QA
-    file's sha256, and the size and mtime_ns of the model's weight files, the corpus, the index's
-    files and a local encoder folder's files (GBs: too slow to hash). A hub name has none."""
+    file's and tokenizer file's sha256 (of --tokenizer's folder, else the model's), and the size
+    and mtime_ns of the model's weight files, the corpus, the index's files and a local encoder
+    folder's files (GBs: too slow to hash). A hub name has none; a GGUF file's tokenizer is in it."""
     model, corpus = Path(model_source), Path(corpus) if corpus else None
     weights = weight_files(model_source)
+    tok = Path(tokenizer or model_source)
     return {"model_files": {f.name: stat_key(f) for f in weights} if model.exists() else None,
+            "tokenizer_files": ({f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+                                 for f in sorted({f for p in TOKENIZER_FILES for f in tok.glob(p) if f.is_file()})}
+                                if tok.is_dir() else None),
             "corpus_file": {str(corpus.resolve()): stat_key(corpus)} if corpus and corpus.is_file() else None,
             "data_sha256": {n: hashlib.sha256(Path(f).read_bytes()).hexdigest() for n, f in files.items()},
             "index_files": index_files(Path(index)) if index else None,
@@ -222,12 +231,14 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     """The input files whose fingerprint differs from run.json's. A fingerprint that either side
     lacks (a run.json from before fingerprints, a hub model, no corpus) is unknown and passes."""
     diff = []
-    for key, setting, what in (("model_files", "model", "the model's weights"), ("index_files", "index", "the index"),
-                               ("encoder_files", "encoder", "the encoder")):
+    for key, keys, what in (("model_files", ("model",), "the model's weights"), ("index_files", ("index",), "the index"),
+                            ("encoder_files", ("encoder",), "the encoder"),
+                            ("tokenizer_files", ("tokenizer", "model"), "the tokenizer")):  # (--tokenizer "": the model's)
         old, new = before.get(key), now[key]
-        if old is not None and new is not None and old != new and before.get(setting) == now[setting]:
+        if old is not None and new is not None and old != new and all(before.get(k) == now[k] for k in keys):
             names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
-            diff.append(f"{what} changed: {', '.join(names)} in {now[setting]}")
+            folder = next(now[k] for k in keys if now[k])
+            diff.append(f"{what} changed: {', '.join(names)} in {folder}")
     old, new = before.get("corpus_file"), now["corpus_file"]  # by size and mtime, and not by path alone: a
     if old and new and list(old.values()) != list(new.values()):  # corpus named relatively, run from another folder,
         was, path = next(iter(old)), next(iter(new))  # is another file under the same --corpus
@@ -471,7 +482,7 @@ def evaluate(args, held: ExitStack) -> dict:
         out = Path(args.out)
         source = local_path(source)
         setup = (settings(args, source, protocol, prompts) | {"data": files}
-                 | fingerprints(source, corpus_used(args), files, args.index, encoder_used(args)))
+                 | fingerprints(source, corpus_used(args), files, args.index, encoder_used(args), args.tokenizer))
         marks_nothing = all(protocol.ask(q.question) == q.question.strip() for qs in qa.values() for q in qs)
         if why := not_a_folder("--out", out):
             raise EvalError(why)

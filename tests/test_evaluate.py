@@ -489,6 +489,32 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
     assert saved["model_files"] == {"model.safetensors": [st.st_size, st.st_mtime_ns]}
 
 
+def test_a_resume_refuses_a_tokenizer_changed_in_place(world, tmp_path, capsys):
+    """The same prompts tokenize otherwise after a tokenizer file is edited in its folder (the
+    model's own, or --tokenizer's): the records of the old one were reused beside the new ones'."""
+    import shutil
+
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    shutil.copytree(world / "model", model)
+    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    for folder, extra in ((model, ()), (tok, ("--tokenizer", str(tok)))):
+        args = cli(world, tmp_path / f"out-{folder.name}", "--model", str(model), "--methods", "direct", *extra)
+        evaluate.main(args)
+        evaluate.main(args)
+        assert "reusing 8 finished answers" in capsys.readouterr().out
+        saved = json.loads((tmp_path / f"out-{folder.name}" / "run.json").read_text())["tokenizer_files"]
+        assert {"tokenizer.json", "tokenizer_config.json"} <= saved.keys(), saved
+        config = folder / "tokenizer_config.json"
+        text = config.read_text()
+        config.write_text(text.replace("{", '{"model_max_length": 77, ', 1))  # a setting changed in place
+        with pytest.raises(SystemExit, match=rf"other settings \(the tokenizer changed: tokenizer_config.json in "
+                                             rf"{re.escape(str(folder))}\)"):
+            evaluate.main(args)
+        config.write_text(text)  # the same bytes again: its records are reused
+        evaluate.main(args)
+        assert "reusing 8 finished answers" in capsys.readouterr().out
+
+
 def test_a_relative_corpus_from_another_folder_is_another_corpus(world, tmp_path, monkeypatch):
     """--corpus corpus.jsonl run from two folders: the records of one corpus were reused beside
     answers searched in the other, in one table (the fingerprint was keyed by the resolved path)."""
