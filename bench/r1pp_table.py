@@ -162,7 +162,7 @@ def main() -> None:
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
     for i, run in enumerate(runs):
         first, last, kept, tried = run_summary(run / "metrics.jsonl")
-        rows = [("stage 1 (start)", first)] if i == 0 else []
+        rows = [(f"{run.name} at its start", first)] if i == 0 else []  # (stage 1, for the ablation script's runs)
         for name, ev in rows + [(run.name, last)]:
             # a type the evaluation did not hold (a small --eval_size): a dash
             cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" if f"eval/{t}" in ev else "—"
@@ -180,7 +180,7 @@ def main() -> None:
         if not files:
             print(f"| {run.name} | (no eval/ records) | | | | |")
             continue
-        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
+        for name, f in ([(f"{run.name} at its start", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
             records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
             h = hop_sources(records, data / "test.jsonl", data / "train.jsonl")
             print(f"| {name}, {f.stem} | {h['famous']:.0%} | {h['train']:.0%} | {h['new']:.0%} | "
@@ -193,7 +193,7 @@ def main() -> None:
         if not files:
             print(f"| {run.name} | (no eval/ records) | | | |")
             continue
-        for name, f in ([("stage 1 (start)", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
+        for name, f in ([(f"{run.name} at its start", files[0])] if i == 0 else []) + [(run.name, files[-1])]:
             records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
             rv = recall_vs_search(records, data / "test.jsonl")
             print(f"| {name}, {f.stem} | " + " | ".join(

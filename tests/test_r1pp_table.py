@@ -115,7 +115,7 @@ def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, mo
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
     table.main()
     out = capsys.readouterr().out
-    assert "| stage 1 (start) | 0 | 0.250 | 1.00 | 0.250 / 0.50 | — | — | — |" in out
+    assert "| run at its start | 0 | 0.250 | 1.00 | 0.250 / 0.50 | — | — | — |" in out
     assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | — | — | (off) |" in out
     # no eval/ records: a row that says so in each table that reads them (the third left the run out)
     assert out.count("| run | (no eval/ records) |") == 2
