@@ -123,7 +123,8 @@ def make_retriever(args):
             check_server(args.retriever_url, args.topk)
         except ConfigError as e:
             raise EvalError(str(e)) from None
-        return build_retriever("http", url=args.retriever_url, query_prefix=args.query_prefix or None)
+        return build_retriever("http", url=args.retriever_url, query_prefix=args.query_prefix or None,
+                               encoder=args.encoder or None, pooling=args.pooling or "mean", index=args.index or None)
     corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
@@ -215,7 +216,9 @@ def fingerprints(model_source: str, corpus: str | None, files: dict, index: str 
 def index_files(index: Path) -> dict | None:
     """An index folder's settings file by its text and its other files by size and mtime_ns, or
     a FAISS file (Search-R1's e5_Flat.index) by its own. corpus_offsets.npz is left out: a cache
-    of the corpus's line scan (the corpus has its own fingerprint) that loading may rewrite."""
+    of the corpus's line scan (the corpus has its own fingerprint) that loading may rewrite; and
+    the build's lock, which says nothing of the index."""
+    from searchlite.indexing import BUILD_LOCK
     from searchlite.retrieval import KIND_FILES
 
     if index.is_file():
@@ -224,7 +227,7 @@ def index_files(index: Path) -> dict | None:
         return None
     settings = {f"{kind}.json" for kind in KIND_FILES}  # an index folder's settings: fingerprinted by their text
     return {f.name: f.read_text(encoding="utf-8") if f.name in settings else stat_key(f)
-            for f in sorted(index.iterdir()) if f.is_file() and f.name != "corpus_offsets.npz"}
+            for f in sorted(index.iterdir()) if f.is_file() and f.name not in ("corpus_offsets.npz", BUILD_LOCK)}
 
 
 def changed_inputs(before: dict, now: dict) -> list[str]:

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 
-from searchlite.config import ArgumentParser, HelpFormatter, at_least, resolve_path
+from searchlite.config import ArgumentParser, HelpFormatter, at_least, not_a_folder, resolve_path
 from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
 
@@ -75,7 +75,7 @@ def make(args):
                          "`retrieve.py build` (a FAISS file is read with --kind dense)")
     if args.index and not corpus:
         raise ValueError(f"--index {args.index} is a FAISS file: give --corpus, the corpus it was built over")
-    kind = kind or ("dense" if args.index else "bm25")  # a FAISS file means dense
+    kind = kind or ("dense" if args.index or args.encoder else "bm25")  # a FAISS file or an encoder means dense
     if kind == "dense" and not args.encoder:
         raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
                          "retrieve.py build wrote)")
@@ -83,25 +83,50 @@ def make(args):
                            pooling=args.pooling or "mean", index=args.index, **(dense_kw if kind == "dense" else {}))
 
 
+DENSE_BUILD = ("encoder", "pooling", "query_prefix", "passage_prefix", "faiss", "search_params", "keep_shards")
+BM25_BUILD = ("k1", "b")
+
+
+def build_kind(args) -> str:
+    """The kind `build` makes, with the flags of the other kind refused: a forgotten --encoder
+    built BM25 without a word, its --faiss and --pooling ignored."""
+    kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
+    other = [f"--{k}" for k in (BM25_BUILD if kind == "dense" else DENSE_BUILD) if getattr(args, k) not in (None, False)]
+    if other:
+        why = "" if args.kind != "auto" else " (--kind auto: dense with --encoder, else bm25)"
+        sys.exit(f"error: {' and '.join(other)}: not for a {kind} build{why}")
+    if kind == "dense" and not args.encoder:
+        sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
+    if kind == "bm25" and ((args.k1 or 0) < 0 or not 0 <= (0 if args.b is None else args.b) <= 1):
+        sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 (got --k1 {args.k1}, --b {args.b})")
+    if why := not_a_folder("--out", args.out):
+        sys.exit(f"error: {why}")
+    return kind
+
+
 def build(args) -> None:
-    from searchlite.indexing import build_bm25_folder, build_dense_folder
+    from searchlite.data import held_folder
+    from searchlite.indexing import BUILD_LOCK
 
     corpus, t0 = resolve_path(args.corpus), time.time()
-    kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
-    if kind == "dense":
-        if not args.encoder:
-            sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
-        r = build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling or "mean",
-                               query_prefix=args.query_prefix,
-                               passage_prefix=args.passage_prefix, faiss_index=args.faiss,
-                               search_params=args.search_params, shard_size=args.shard_size,
-                               batch_size=args.batch_size, max_length=args.max_length, device=args.device,
-                               keep_shards=args.keep_shards)
-    else:
-        if args.k1 < 0 or not 0 <= args.b <= 1:
-            sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 (got --k1 {args.k1}, --b {args.b})")
-        r = build_bm25_folder(corpus, args.out, k1=args.k1, b=args.b)
+    kind = build_kind(args)
+    busy = ValueError(f"another retrieve.py build is writing to {args.out}; wait for it to finish, or choose "
+                      "another --out")
+    with held_folder(args.out, BUILD_LOCK, busy, scratch=("corpus_offsets.npz",)):  # a failed fresh build: no folder
+        r = build_folder(kind, corpus, args)
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
+
+
+def build_folder(kind: str, corpus: str, args):
+    from searchlite.indexing import build_bm25_folder, build_dense_folder
+
+    if kind == "dense":
+        return build_dense_folder(corpus, args.out, args.encoder, pooling=args.pooling or "mean",
+                                  query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
+                                  faiss_index=args.faiss or "flat", search_params=args.search_params,
+                                  shard_size=args.shard_size, batch_size=args.batch_size, max_length=args.max_length,
+                                  device=args.device, keep_shards=args.keep_shards)
+    return build_bm25_folder(corpus, args.out, **{k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None})
 
 
 def main(argv=None) -> None:
@@ -122,7 +147,7 @@ def main(argv=None) -> None:
         else:
             a("--corpus", default=None, help="passages JSONL (default: the index folder's, else the toy world's)")
             a("--kind", default="auto", choices=["auto", "bm25", "rank_bm25", "dense"],
-              help="retriever kind (auto: the index's, else bm25)")
+              help="retriever kind (auto: the index's, else dense with --encoder, else bm25)")
             a("--index", default=None, help="index folder from `build`, or a FAISS file such as Search-R1's "
               "e5_Flat.index")
             a("--mmap", action="store_true", help="dense: memory-map a flat FAISS index instead of reading it in")
@@ -134,7 +159,7 @@ def main(argv=None) -> None:
           "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")
         if name == "build":
             a("--out", required=True, help="folder to write the index to (rerun to resume a dense build)")
-            a("--faiss", default="flat", help="dense: flat | hnsw | ivfpq | a faiss.index_factory string")
+            a("--faiss", default=None, help="dense: flat (the default) | hnsw | ivfpq | a faiss.index_factory string")
             a("--search_params", default=None, help="dense: faiss search parameters (default nprobe=64 for an IVF "
               "index, efSearch=128 for HNSW, none for flat)")
             a("--passage_prefix", default=None, help="dense: text before each passage (default: by encoder name)")
@@ -143,9 +168,9 @@ def main(argv=None) -> None:
             a("--max_length", type=at_least(1), default=256, help="dense: tokens kept per passage and query (at most "
               "the encoder's positions)")
             a("--keep_shards", action="store_true", help="dense: keep the encoded shards after the build")
-            a("--k1", type=float, default=1.5, help="bm25: term-frequency saturation (default 1.5, bm25s's; Search-R1's "
+            a("--k1", type=float, default=None, help="bm25: term-frequency saturation (default 1.5, bm25s's; Search-R1's "
               "BM25 server, Pyserini, uses 0.9)")
-            a("--b", type=float, default=0.75, help="bm25: passage-length normalisation (default 0.75; Pyserini: 0.4)")
+            a("--b", type=float, default=None, help="bm25: passage-length normalisation (default 0.75; Pyserini: 0.4)")
         elif name == "query":
             a("--url", default=None, help="query a Search-R1-compatible server instead")
             a("--k", type=int, default=3, help="passages per query (default 3)")
@@ -162,7 +187,15 @@ def main(argv=None) -> None:
             a("--batch_wait_ms", type=float, default=5.0, help="how long to gather concurrent requests into a batch")
     args = ap.parse_args(argv)
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
-        sys.exit(f"error: --corpus {args.corpus}: no such file")
+        what = "a folder, not a file (a passages JSONL)" if os.path.isdir(resolve_path(args.corpus)) else "no such file"
+        sys.exit(f"error: --corpus {args.corpus}: {what}")
+    if args.device != "cpu" and (args.cmd == "build" or not getattr(args, "url", None)):  # before a corpus scan
+        from searchlite.models import pick_device
+
+        try:
+            pick_device(args.device)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     if args.cmd == "query" and args.k < 1:
         sys.exit(f"error: --k must be a positive integer, got {args.k}")
     if args.cmd == "serve":  # before the index loads, which takes minutes on wiki-18
@@ -192,8 +225,9 @@ def main(argv=None) -> None:
     except (DataError, ValueError, RuntimeError, OSError) as e:  # OSError: an encoder the hub cannot give, ...
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # a traceback said nothing of what is kept
+        dense = args.cmd == "build" and (args.kind == "dense" or args.kind == "auto" and args.encoder)
         sys.stderr.write("\ninterrupted" + (": a dense build keeps its finished shards, and the same command "
-                                             "continues from them\n" if args.cmd == "build" else "\n"))
+                                             "continues from them\n" if dense else "\n"))
         sys.exit(130)
 
 

@@ -26,9 +26,10 @@ also works. Search favours recall: nprobe=64 for an IVF index, efSearch=128 for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import re
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from searchlite.retrieval import (BM25Retriever, DenseRetriever, TextEncoder, ch
                                   encoder_name, read_json_object)
 
 FAISS_KINDS = ("flat", "hnsw", "ivfpq")
+BUILD_LOCK = "build.lock"  # held by `retrieve.py build` in its --out
 TRAIN_LIMIT = 100_000  # vectors sampled to train a quantizer: k-means time and memory grow with them
 
 
@@ -163,19 +165,55 @@ def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mea
                                  max_length=enc.max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
                                  corpus_bytes=corpus.stamp[0], corpus_mtime_ns=corpus.stamp[1],
                                  num_passages=len(corpus)))
+    dim = enc.encode(["dimension probe"]).shape[1]
+    factory, search_params = checked_faiss(faiss_index, search_params, dim, len(corpus))  # before hours of encoding
     paths = encode_shards(corpus, folder, enc, passage_prefix, shard_size, progress)
-    dim = np.load(paths[0], mmap_mode="r").shape[1]
-    factory = faiss_factory(faiss_index, dim, len(corpus))
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         index.train(_training_sample(paths, len(corpus)))
     for p in paths:
         index.add(np.ascontiguousarray(np.load(p), dtype=np.float32))
-    if search_params is None:
-        search_params = default_search_params(factory)
     r = DenseRetriever(corpus, enc, query_prefix=query_prefix, passage_prefix=passage_prefix, index=index,
                        search_params=search_params)
     r.save(folder)
-    if not keep_shards:
-        shutil.rmtree(os.path.join(folder, "shards"))
+    if not keep_shards:  # its own files only: a shards/ the user keeps other files in stays
+        for p in [*paths, os.path.join(folder, "shards", "manifest.json")]:
+            os.remove(p)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(folder, "shards"))
     return r
+
+
+def checked_faiss(kind: str, search_params: str | None, dim: int, n: int) -> tuple[str, str]:
+    """(factory string, search parameters) for `kind` and `search_params` (None: the defaults),
+    refused with a ValueError naming the flag unless faiss takes both and every parameter is a
+    positive number (efSearch=0 returns fewer hits than asked, quietly)."""
+    import faiss
+
+    factory = faiss_factory(kind, dim, n)
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ValueError(f"--faiss {kind!r}: faiss cannot make this index ({faiss_reason(e)}); "
+                         f"use one of {', '.join(FAISS_KINDS)} or a faiss.index_factory string") from None
+    params = default_search_params(factory) if search_params is None else search_params
+    for item in filter(None, params.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--search_params {params!r}: {item!r} is not name=positive number (e.g. nprobe=64, "
+                             "efSearch=128)")
+    try:
+        faiss.ParameterSpace().set_index_parameters(index, params)
+    except RuntimeError as e:
+        raise ValueError(f"--search_params {params!r}: faiss does not take it for a {factory} index "
+                         f"({faiss_reason(e)})") from None
+    return factory, params
+
+
+def faiss_reason(e: Exception) -> str:
+    """A faiss error's message without its C++ location ("Error in <signature> at <file>:<line>: ")."""
+    return re.sub(r"^Error in .* at \S+:\d+: ?", "", str(e).strip().splitlines()[-1])

@@ -583,9 +583,16 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
             raise ValueError(f"query prefix {query_prefix!r}: only a dense retriever encodes queries (a server has "
                              f"its own: retrieve.py serve --query_prefix), not retriever kind {kind!r}")
         kw["query_prefix"] = query_prefix
+    dense_only = [f"{k} {v!r}" for k, v in (("encoder", encoder), ("pooling", pooling)) if v not in (None, "mean")]
+    if kind != "dense" and dense_only:  # it was ignored without a word
+        raise ValueError(f"{' and '.join(dense_only)}: only a dense retriever encodes queries (a server with its own "
+                         f"encoder), not retriever kind {kind!r}")
     if kind == "http":
         if not url:
             raise ValueError("retriever kind 'http' needs url=")
+        if index is not None:
+            raise ValueError(f"index {index}: a server searches its own index (retrieve.py serve --index), not one "
+                             "named here")
         return HTTPRetriever(url, **kw)
     if index is not None and not os.path.isdir(index) and kind != "dense":  # else ignored: BM25 built in memory
         raise ValueError(f"index {index} is not a folder: a {kind} index is a folder written by `retrieve.py "

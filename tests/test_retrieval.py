@@ -395,6 +395,15 @@ def test_build_retriever(tmp_path):
         build_retriever("rank_bm25", index=str(tmp_path / "idx"))
     with pytest.raises(ValueError, match="encoder"):
         build_retriever("dense", CORPUS)
+    # an encoder or pooling for a retriever that encodes no queries, or an index for a server, was ignored
+    for kind, kw, error in (("bm25", {"encoder": "e5"}, "encoder 'e5': only a dense retriever encodes queries"),
+                            ("bm25", {"index": str(tmp_path / "idx"), "pooling": "cls"}, "pooling 'cls': only a dense"),
+                            ("rank_bm25", {"encoder": "e5", "pooling": "cls"}, "encoder 'e5' and pooling 'cls': only"),
+                            ("http", {"url": "http://localhost:8000", "encoder": "e5"}, "not retriever kind 'http'"),
+                            ("http", {"url": "http://localhost:8000", "index": "idx"}, "index idx: a server searches "
+                                                                                      "its own index")):
+        with pytest.raises(ValueError, match=error):
+            build_retriever(kind, str(tmp_path / "c.jsonl"), **kw)
 
 
 def test_config_retriever_follows_the_run_config(tmp_path, server):

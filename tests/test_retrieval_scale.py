@@ -25,7 +25,7 @@ from searchlite.bm25 import tokenize
 from searchlite.config import TOY_DIR
 from searchlite.corpus import Corpus
 from searchlite.data import DataError, Passage, passage_to_dict, read_corpus, write_jsonl
-from searchlite.indexing import build_bm25_folder, build_dense_folder, encode_shards, faiss_factory
+from searchlite.indexing import build_bm25_folder, build_dense_folder, checked_faiss, encode_shards, faiss_factory
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, TextEncoder, build_retriever,
                                   load_index)
 
@@ -337,9 +337,10 @@ def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monke
     calls, real = [], TextEncoder.encode
 
     def dies_on_third_shard(self, texts, prefix="", bar=None):
-        if len(texts) > 20 and len(calls) == 2:  # passages come a shard at a time; queries are short lists
-            raise KeyboardInterrupt
-        calls.append(len(texts))
+        if len(texts) > 20:  # passages come a shard at a time; queries (and the dimension probe) are short lists
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            calls.append(len(texts))
         return real(self, texts, prefix, bar)
 
     monkeypatch.setattr(TextEncoder, "encode", dies_on_third_shard)
@@ -361,7 +362,7 @@ def test_sharded_dense_build_resumes_after_interruption(tmp_path, encoder, monke
     monkeypatch.setattr(TextEncoder, "encode", lambda self, texts, prefix="", bar=None:
                         calls.append(len(texts)) or real(self, texts, prefix, bar))
     resumed = build_dense_folder(TOY, out, encoder, shard_size=100, max_length=48, progress=False)
-    assert calls == [100, 100, 50]  # only the missing shards were encoded
+    assert calls == [1, 100, 100, 50]  # the dimension probe, then only the missing shards
     assert not (out / "shards").exists()
     np.testing.assert_allclose(resumed.index.reconstruct_n(0, 450), full.index.reconstruct_n(0, 450), atol=1e-6)
     loaded = load_index(out)
@@ -445,6 +446,40 @@ def test_search_params_default_follows_the_factory_string(tmp_path, encoder):
     build_dense_folder(TOY, tmp_path / "ivf", encoder, faiss_index="IVF8,Flat", max_length=48, progress=False)
     assert json.loads((tmp_path / "ivf" / "dense.json").read_text())["search_params"] == "nprobe=64"
     assert faiss.extract_index_ivf(load_index(tmp_path / "ivf").index).nprobe == 64
+
+
+def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp_path, encoder, monkeypatch):
+    """A typo in --faiss or --search_params was reported after the whole corpus was encoded (hours
+    on wiki-18), and efSearch=0 was taken: an HNSW search then returned 1 hit of the 3 asked."""
+    texts, real = [], TextEncoder.encode
+    monkeypatch.setattr(TextEncoder, "encode", lambda self, t, prefix="", bar=None:
+                        texts.append(len(t)) or real(self, t, prefix, bar))
+    for kind, params, error in (("hnws", None, r"--faiss 'hnws': faiss cannot make this index \(could not parse "
+                                                r"index string hnws\); use one of flat, hnsw, ivfpq"),
+                                ("hnsw", "efSearch=0", r"'efSearch=0' is not name=positive number"),
+                                ("hnsw", "efSearch=-5", r"'efSearch=-5' is not name=positive number"),
+                                ("IVF8,Flat", "nprobe=abc", r"'nprobe=abc' is not name=positive number"),
+                                ("hnsw", "foo=3", r"--search_params 'foo=3': faiss does not take it for a HNSW32,Flat "
+                                                  r"index \(.*could not set parameter foo\)"),
+                                ("flat", "nprobe=8", r"does not take it for a Flat index")):
+        texts.clear()
+        with pytest.raises(ValueError, match=error):
+            build_dense_folder(TOY, tmp_path / kind, encoder, faiss_index=kind, search_params=params, max_length=48,
+                               progress=False)
+        assert texts == [1], (kind, params)  # the dimension probe alone: no passage was encoded
+    assert checked_faiss("hnsw", "efSearch=16", 32, 450) == ("HNSW32,Flat", "efSearch=16")
+    assert checked_faiss("IVF8,Flat", None, 32, 450) == ("IVF8,Flat", "nprobe=64")
+
+
+def test_a_dense_build_removes_only_its_own_shard_files(tmp_path, encoder):
+    """It removed the whole of --out/shards, files of the user's in it too."""
+    out = tmp_path / "idx"
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "notes.txt").write_text("mine")
+    build_dense_folder(TOY, out, encoder, shard_size=200, max_length=48, progress=False)
+    assert [p.name for p in (out / "shards").iterdir()] == ["notes.txt"]
+    build_dense_folder(TOY, tmp_path / "own", encoder, shard_size=200, max_length=48, progress=False)
+    assert not (tmp_path / "own" / "shards").exists()
 
 
 def test_an_approximate_index_that_finds_fewer_than_k_returns_only_what_it_found(tmp_path, encoder):
@@ -549,6 +584,67 @@ def test_cli_build_and_query(tmp_path, capsys, toy_passages):
     for argv in (["build", *missing, "--out", str(tmp_path / "n")], ["query", *missing, "q"]):
         with pytest.raises(SystemExit, match="--corpus nowhere.jsonl: no such file"):
             retrieve.main(argv)
+
+
+def test_cli_build_refuses_flags_it_would_ignore_and_bad_paths(tmp_path, capsys, encoder, monkeypatch):
+    """A forgotten --encoder built a BM25 index and ignored --faiss and --pooling without a word;
+    --k1 on a dense build did nothing; --out a file and --corpus a folder were OS errors; a build
+    that failed at start-up left a new --out holding corpus_offsets.npz; a BM25 build's Ctrl-C
+    spoke of dense shards."""
+    import retrieve
+
+    toy = ["--corpus", "toy/corpus.jsonl"]
+    for extra, error in ((["--faiss", "hnsw", "--pooling", "cls"], "error: --pooling and --faiss: not for a bm25 build "
+                                                                     r"\(--kind auto: dense with --encoder, else bm25\)"),
+                         (["--kind", "bm25", "--encoder", encoder], "error: --encoder: not for a bm25 build$"),
+                         (["--kind", "bm25", "--keep_shards"], "error: --keep_shards: not for a bm25 build$"),
+                         (["--encoder", encoder, "--k1", "0.9", "--b", "0.4"], "error: --k1 and --b: not for a dense "
+                                                                              "build")):
+        with pytest.raises(SystemExit, match=error):
+            retrieve.main(["build", *toy, *extra, "--out", str(tmp_path / "x")])
+        assert not (tmp_path / "x").exists()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match=rf"error: --out {re.escape(str(tmp_path / 'afile'))} is a file; expected a "
+                                         "folder"):
+        retrieve.main(["build", *toy, "--out", str(tmp_path / "afile")])
+    with pytest.raises(SystemExit, match=rf"error: --corpus {re.escape(str(tmp_path))}: a folder, not a file"):
+        retrieve.main(["build", "--corpus", str(tmp_path), "--out", str(tmp_path / "x")])
+    bad = tmp_path / "bad.jsonl"  # a line that does not parse: the new folder goes again
+    bad.write_text(TOY.read_text(encoding="utf-8") + '{"id": "x",\n', encoding="utf-8")
+    with pytest.raises(SystemExit, match="bad.jsonl:451"):
+        retrieve.main(["build", "--corpus", str(bad), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    retrieve.main(["build", *toy, "--out", str(tmp_path / "ok")])  # a finished build keeps its folder
+    assert (tmp_path / "ok" / "bm25.json").is_file()
+    capsys.readouterr()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    from searchlite import retrieval
+
+    kinds, real = [], retrieval.build_retriever  # query --encoder alone: dense, as build takes it (it searched BM25)
+    monkeypatch.setattr(retrieval, "build_retriever", lambda kind, *a, **k: kinds.append(kind) or real(kind, *a, **k))
+    retrieve.main(["query", "--encoder", encoder, "--k", "1", "press founder"])
+    assert kinds == ["dense"]
+    capsys.readouterr()
+    monkeypatch.setattr("searchlite.indexing.BM25Retriever", interrupted)
+    with pytest.raises(SystemExit):
+        retrieve.main(["build", *toy, "--out", str(tmp_path / "cut")])
+    assert capsys.readouterr().err == "\ninterrupted\n"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_device_cuda_without_a_gpu_is_one_line(tmp_path):
+    """--device cuda here was torch's AssertionError traceback, after the corpus scan."""
+    import retrieve
+
+    for argv in (["build", "--corpus", "toy/corpus.jsonl", "--kind", "dense", "--encoder", "x", "--out",
+                  str(tmp_path / "d"), "--device", "cuda"], ["query", "--kind", "dense", "--encoder", "x", "--device",
+                                                             "cuda", "who?"]):
+        with pytest.raises(SystemExit, match=r"error: --device cuda: torch .* sees no CUDA GPU here"):
+            retrieve.main(argv)
+    assert not (tmp_path / "d").exists()
 
 
 def test_cli_build_help_describes_build(capsys):
