@@ -522,8 +522,9 @@ def evaluate(args, held: ExitStack) -> dict:
                                     progress=args.progress)
                 results.setdefault(name, {})[method] = summarize(recs)
                 records.setdefault(name, {})[method] = recs
-    except (KeyboardInterrupt, RuntimeError) as e:
-        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {type(e).__name__}: {e}"
+    except (KeyboardInterrupt, RuntimeError, DataError) as e:  # DataError: a corpus line first read by a search
+        why = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}" if isinstance(e, DataError) else
+               f"error: {type(e).__name__}: {e}")
         print(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; rerun the same command to "
               "continue.", file=sys.stderr, flush=True)
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)  # 130 after Ctrl-C, as train.py: a script stops

@@ -290,9 +290,15 @@ def update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic=N
     return {k: torch.stack(v).tolist() if v and torch.is_tensor(v[0]) else v for k, v in stats.items()}
 
 
+KEPT = "the last checkpoint, if there is one, is intact (--resume continues from it); nothing after it was saved"
+
+
 def main(argv=None) -> None:
     with contextlib.ExitStack() as held:  # out_dir's lock, let go however the run ends (tests call main again)
-        train(argv, held)
+        try:
+            train(argv, held)
+        except DataError as e:  # a corpus line first read by a search mid-run (a lazy corpus checks a sample at load)
+            sys.exit(f"error: {e}\n{KEPT}")
 
 
 def train(argv, held: contextlib.ExitStack) -> None:
@@ -632,6 +638,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as e:  # Ctrl-C before the training loop, or a second signal inside it
-        sys.stderr.write("\ninterrupted: the last checkpoint, if there is one, is intact (--resume continues "
-                         "from it); nothing after it was saved\n")
+        sys.stderr.write(f"\ninterrupted: {KEPT}\n")
         sys.exit(interrupted_status(e))  # 130, or 143 after a second SIGTERM

@@ -352,6 +352,29 @@ def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
     assert results["average"]["rag"]["n"] == 8 and rows[("average", "direct")][1] == "0.633"
 
 
+def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(world, tmp_path, monkeypatch, capsys):
+    """A lazy corpus checks a sample of its lines at load; a bad line a search met later (a FAISS
+    file beside its corpus, a corpus edited since its index was built) was a traceback."""
+    from searchlite.data import DataError
+    from searchlite.retrieval import BM25Retriever
+
+    out, real, calls = tmp_path / "out", BM25Retriever.search, []
+
+    def meets_a_bad_line(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise DataError("corpus.jsonl:7: bad JSON: Expecting property name (column 12)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(BM25Retriever, "search", meets_a_bad_line)
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(cli(world, out, "--methods", "rag"))
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == (f"error: corpus.jsonl:7: bad JSON: Expecting property name (column 12)\n"
+                                       f"2 finished questions are saved in {out / 'records.jsonl'}; rerun the same "
+                                       "command to continue.\n")
+
+
 def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
     from searchlite.sampler import HFSampler
 

@@ -276,6 +276,29 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tm
     assert [r["step"] for r in metrics(part)] == [0, 1, 2, 3]
 
 
+def test_a_bad_corpus_line_met_mid_run_is_one_line_and_keeps_the_checkpoint(tiny_model, tmp_path, monkeypatch,
+                                                                            varied_reward, capsys):
+    """A lazy corpus checks a sample of its lines at load; a bad line a search meets later (Search-R1's
+    FAISS file beside a corpus, or a corpus edited since its index was built) was a traceback."""
+    from searchlite.data import DataError
+
+    real, calls = train.rollout, []
+
+    def search_meets_a_bad_line(*a, **k):  # as Corpus raises it, from inside the retriever's search
+        calls.append(1)
+        if len(calls) == 4:
+            raise DataError("corpus.jsonl:227: bad JSON: Expecting property name (column 102)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "rollout", search_meets_a_bad_line)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(args(tiny_model, tmp_path, "grpo", steps=4, extra=["--save_every", "2", "--eval_every", "0"]))
+    assert stopped.value.code == ("error: corpus.jsonl:227: bad JSON: Expecting property name (column 102)\n"
+                                  "the last checkpoint, if there is one, is intact (--resume continues from it); "
+                                  "nothing after it was saved")
+    assert torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
+
+
 def test_a_signal_that_reached_another_rank_alone_stops_this_one_as_stopped(tiny_model, tmp_path, monkeypatch,
                                                                            varied_reward, capsys):
     """torchrun: a preempted node's ranks got SIGTERM, rank 0 did not. Every rank stopped after the
