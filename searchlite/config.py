@@ -232,6 +232,9 @@ def read_presets(path: Path = DEFAULT_PRESETS) -> dict[str, dict]:
             presets = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:  # deleted, or a folder: it ships with searchlite
+        raise ConfigError(f"{path}: cannot read the presets ({e.strerror}); it comes with searchlite "
+                          f"(git checkout {path.name} restores it)") from None
     for name, table in presets.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: '{name} = {table!r}' is outside any [preset] table; put it under one")
@@ -305,6 +308,9 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
     defaulted = preset is None
     if preset is None:
         preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
+        if not presets.exists():
+            print(f"note: no {presets}: the run takes the built-in defaults (python {prog} --help lists them), not "
+                  f"the [{default_preset}] preset", file=sys.stderr, flush=True)
     values = load_preset(preset, presets) if preset != "none" else {}
     foreign = [k for k in values if (k not in reads if reads else k in STAGE1_ONLY)]
     if foreign:  # a preset written for the other program: it would run, quietly ignoring what it is for

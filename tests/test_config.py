@@ -1,6 +1,7 @@
 """Config precedence (defaults < preset < CLI) and the errors for bad keys and values."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -379,6 +380,19 @@ def test_a_broken_presets_file_is_named(tmp_path):
     bad.write_text('top = 1\n[toy]\nsteps = 60\n')
     with pytest.raises(ConfigError, match=r"configs.toml: 'top = 1' is outside any \[preset\] table"):
         parse_args(["--preset", "toy"], presets=bad)
+
+
+def test_a_missing_presets_file_is_named(tmp_path, capsys):
+    """--preset toy without configs.toml was a FileNotFoundError traceback; no --preset ran on the
+    built-in defaults (batch_size 512, lr 1e-6) without a word."""
+    gone = tmp_path / "configs.toml"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(gone))}: cannot read the presets \(No such file or "
+                                          r"directory\); it comes with searchlite \(git checkout configs.toml"):
+        parse_args(["--preset", "toy"], presets=gone)
+    cfg = parse_args(["--steps", "1"], presets=gone)
+    assert (cfg.batch_size, cfg.lr) == (Config.batch_size, Config.lr)
+    assert capsys.readouterr().err == (f"note: no {gone}: the run takes the built-in defaults (python train.py --help "
+                                       "lists them), not the [toy] preset\n")
 
 
 def test_script_parsers_name_the_closest_flag_of_any_subcommand(capsys):
