@@ -354,7 +354,7 @@ def parse_args(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=HelpFormatter)
     a = ap.add_argument
-    a("--data", default=None, help="comma-separated QA JSONL files or dataset names (default: a train.py run's "
+    a("--data", default=None, help="comma-separated QA JSONL files or dataset names (a file whose name holds a comma is taken whole) (default: a train.py run's "
       "test_data, else toy/test.jsonl)")
     a("--data_dir", default=os.environ.get("SEARCHLITE_DATA", "data/qa"),
       help="folder where dataset names are looked up")
@@ -446,7 +446,8 @@ def evaluate(args, held: ExitStack) -> dict:
         # a trained run is evaluated as train.py evaluated it: its test set, retriever and lengths
         fill_run_settings(args, run_config, RUN_DEFAULTS)
         qa, files = {}, {}
-        for item in (d.strip() for d in args.data.split(",") if d.strip()):
+        whole = Path(args.data.strip()).is_file()  # one file whose name holds a comma: not a list
+        for item in [args.data.strip()] if whole else (d.strip() for d in args.data.split(",") if d.strip()):
             name, path = resolve_data(item, args.data_dir)
             if str(Path(path).resolve()) in files.values():  # it would be run twice and counted twice in the average
                 raise EvalError(f"--data names {path} twice")

@@ -276,6 +276,16 @@ def cli(world, out, *extra):
             "--progress", "false", "--out", str(out), *extra]
 
 
+def test_a_file_whose_name_holds_a_comma_is_one_file(world, tmp_path):
+    """--data "my data, v2.jsonl" was split at its comma: "dataset 'my data' has no local file"."""
+    import shutil
+
+    data = tmp_path / "my data, v2.jsonl"
+    shutil.copy(world / "alpha.jsonl", data)
+    results = evaluate.main(cli(world, tmp_path / "out", "--data", str(data), "--methods", "direct"))
+    assert list(results["metrics"]) == ["my data, v2"]
+
+
 def test_one_file_named_twice_is_refused(world, tmp_path):
     """It was run twice, as alpha and alpha_2, and counted twice in the average."""
     alpha = str(world / "alpha.jsonl")
