@@ -354,8 +354,8 @@ def parse_args(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=HelpFormatter)
     a = ap.add_argument
-    a("--data", default=None, help="comma-separated QA JSONL files or dataset names (a file whose name holds a comma is taken whole) (default: a train.py run's "
-      "test_data, else toy/test.jsonl)")
+    a("--data", default=None, help="comma-separated QA JSONL files or dataset names; a file whose name holds a "
+      "comma is taken whole (default: a train.py run's test_data, else toy/test.jsonl)")
     a("--data_dir", default=os.environ.get("SEARCHLITE_DATA", "data/qa"),
       help="folder where dataset names are looked up")
     a("--methods", "--method", default="search", help=f"comma-separated: {', '.join(METHODS)}")
