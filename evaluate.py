@@ -234,9 +234,9 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
     """The input files whose fingerprint differs from run.json's. A fingerprint that either side
     lacks (a run.json from before fingerprints, a hub model, no corpus) is unknown and passes."""
     diff = []
-    for key, keys, what in (("model_files", ("model",), "the model's weights"), ("index_files", ("index",), "the index"),
-                            ("encoder_files", ("encoder",), "the encoder"),
-                            ("tokenizer_files", ("tokenizer", "model"), "the tokenizer")):  # (--tokenizer "": the model's)
+    for key, keys, what in (("model_files", ("model",), "the model's weights"),
+                            ("index_files", ("index",), "the index"), ("encoder_files", ("encoder",), "the encoder"),
+                            ("tokenizer_files", ("tokenizer", "model"), "the tokenizer")):  # ("": the model's)
         old, new = before.get(key), now[key]
         if old is not None and new is not None and old != new and all(before.get(k) == now[k] for k in keys):
             names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))

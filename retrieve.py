@@ -91,7 +91,8 @@ def build_kind(args) -> str:
     """The kind `build` makes, with the flags of the other kind refused: a forgotten --encoder
     built BM25 without a word, its --faiss and --pooling ignored."""
     kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
-    other = [f"--{k}" for k in (BM25_BUILD if kind == "dense" else DENSE_BUILD) if getattr(args, k) not in (None, False)]
+    other = [f"--{k}" for k in (BM25_BUILD if kind == "dense" else DENSE_BUILD)
+             if getattr(args, k) not in (None, False)]
     if other:
         why = "" if args.kind != "auto" else " (--kind auto: dense with --encoder, else bm25)"
         sys.exit(f"error: {' and '.join(other)}: not for a {kind} build{why}")
@@ -126,7 +127,8 @@ def build_folder(kind: str, corpus: str, args):
                                   faiss_index=args.faiss or "flat", search_params=args.search_params,
                                   shard_size=args.shard_size, batch_size=args.batch_size, max_length=args.max_length,
                                   device=args.device, keep_shards=args.keep_shards)
-    return build_bm25_folder(corpus, args.out, **{k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None})
+    given = {k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None}  # else bm25s's 1.5 and 0.75
+    return build_bm25_folder(corpus, args.out, **given)
 
 
 def main(argv=None) -> None:
