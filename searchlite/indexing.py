@@ -161,12 +161,12 @@ def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mea
     dq, dp = default_prefixes(encoder)
     query_prefix = dq if query_prefix is None else query_prefix
     passage_prefix = dp if passage_prefix is None else passage_prefix
+    dim = enc.encode(["dimension probe"]).shape[1]
+    factory, search_params = checked_faiss(faiss_index, search_params, dim, len(corpus))  # before hours of encoding
     _check_manifest(folder, dict(encoder=enc.name, pooling=pooling, passage_prefix=passage_prefix,
                                  max_length=enc.max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
                                  corpus_bytes=corpus.stamp[0], corpus_mtime_ns=corpus.stamp[1],
                                  num_passages=len(corpus)))
-    dim = enc.encode(["dimension probe"]).shape[1]
-    factory, search_params = checked_faiss(faiss_index, search_params, dim, len(corpus))  # before hours of encoding
     paths = encode_shards(corpus, folder, enc, passage_prefix, shard_size, progress)
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:

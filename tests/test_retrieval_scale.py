@@ -467,6 +467,7 @@ def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp
             build_dense_folder(TOY, tmp_path / kind, encoder, faiss_index=kind, search_params=params, max_length=48,
                                progress=False)
         assert texts == [1], (kind, params)  # the dimension probe alone: no passage was encoded
+        assert not (tmp_path / kind / "shards").exists()  # nor a manifest of a build that never began
     assert checked_faiss("hnsw", "efSearch=16", 32, 450) == ("HNSW32,Flat", "efSearch=16")
     assert checked_faiss("IVF8,Flat", None, 32, 450) == ("IVF8,Flat", "nprobe=64")
 
