@@ -121,6 +121,7 @@ def test_long_query_is_cut():
     ("\\boxed{a {nested} b}", Action("answer", "a {nested} b")),
     ("\\boxed{first} then \\boxed{second}", Action("answer", "second")),  # the last boxed answer
     ("\\boxed{unclosed", Action("invalid")),
+    ("so \\boxed{Paris}. Also \\boxed{Lyo", Action("answer", "Paris")),  # a last box left open (a turn cut short)
     ("<|begin_external_search|> q", Action("invalid")),
     # in text order: an answer closed before the search opens ends the trajectory...
     ("\\boxed{a} <|begin_external_search|> q \\boxed{b} <|end_external_search|>", Action("answer", "a")),
@@ -188,6 +189,12 @@ def test_format_ok():
     assert not PP.format_ok(f"{ia} \\boxed{{a}} Let me check. {ea}")
     assert not PP.format_ok(f"\\boxed{{a}} {ia}")
     assert PP.format_ok("<|begin_internal_answer|> so \\boxed{a} <|end_internal_answer|>")  # inside its span
+
+
+def test_each_protocol_stops_a_turn_at_its_action_tags():
+    """A turn that ran on past its </answer> trained the tokens after it with the answer's reward."""
+    assert get_protocol("search_r1").stop == ("</search>", "</answer>")
+    assert get_protocol("r1_searcher_pp").stop == ("<|end_external_search|>",)  # a \boxed{} answer ends at EOS
 
 
 def test_template_from_file(tmp_path):

@@ -110,6 +110,8 @@ def test_f1_score(pred, golds, expected):
         ("Obama's wife Michelle Obama, born in Chicago in January 1964", ["Michelle Obama"], {}, 1.0),
         ("population of 1,234 people in Ri Tam town of Kor", ["1,234"], {}, 1.0),
         ("population of 1,234 people in Ri Tam town of Kor Sel", ["1,234"], {}, 0.0),  # 11
+        ("the", ["a"], {}, 0.0),  # a gold that normalises to "" is found in no prediction
+        ("The", ["Paris", "An"], {}, 0.0),
     ],
 )
 def test_cover_exact_match(pred, golds, kwargs, expected):

@@ -134,6 +134,78 @@ def test_max_len_cuts_the_turn_or_passage_that_reaches_it(byte_tokenizer):
     assert ro.answers == [None] and len(retriever.calls) == 1
 
 
+def test_max_len_edges_the_invalid_message_a_search_and_a_full_prompt(byte_tokenizer):
+    """At max_len exactly: the invalid-action message is cut there too (uncut, a row outgrew
+    max_len); a search whose turn ends there is not run (it counted in R_group's retrievals); a
+    prompt of max_len tokens gets no turn (a turn of budget 0 made HFSampler raise)."""
+    tok = byte_tokenizer
+    message = tok.encode(P.invalid_message, add_special_tokens=False)
+    prompt = len(encode_prompt(tok, P, "q-invalid"))
+    reply = len(tok.encode(SCRIPTS["q-invalid"][0], add_special_tokens=False))
+    ro, _, _ = _run(tok, ["q-invalid"], max_len=prompt + reply + 5)
+    assert ro.input_ids.shape[1] == prompt + reply + 5 and ro.input_ids[0, -5:].tolist() == message[:5]
+    assert not ro.loss_mask[0, -5:].any() and ro.turns.tolist() == [1]
+    prompt = len(encode_prompt(tok, P, "q-search"))
+    turn = len(tok.encode(SCRIPTS["q-search"][0], add_special_tokens=False))
+    ro, _, retriever = _run(tok, ["q-search"], max_len=prompt + turn)
+    assert ro.searches.tolist() == [0] and retriever.calls == [] and ro.turns.tolist() == [1]
+    with pytest.warns(UserWarning, match="1 of 1 prompts fill max_len"):
+        ro, sampler, _ = _run(tok, ["q-search"], max_len=prompt)
+    assert ro.turns.tolist() == [0] and sampler.calls == []
+
+
+def test_passages_take_exactly_max_obs_tokens(byte_tokenizer):
+    tok = byte_tokenizer
+    full, _, _ = _run(tok, ["q-search"], max_turns=1)
+    shown = int((full.loss_mask[0] == 0).sum() - full.prompt_len[0] - (full.attention_mask[0] == 0).sum())
+    for cap in (7, 30):
+        assert cap < shown
+        ro, _, _ = _run(tok, ["q-search"], max_turns=1, max_obs_tokens=cap)
+        p, n = int(ro.prompt_len[0]), int(ro.attention_mask[0].sum())
+        assert int((ro.loss_mask[0, p:n] == 0).sum()) == cap
+
+
+def test_the_chat_template_wraps_the_prompt(byte_tokenizer):
+    """No test tokenizer had a chat template: the branch every instruct model takes was untested."""
+    import copy
+
+    tok = copy.deepcopy(byte_tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    want = tok.encode(f"<|user|>{P.prompt('q-answer')}\n<|assistant|>\n", add_special_tokens=False)
+    assert encode_prompt(tok, P, "q-answer") == want
+    assert encode_prompt(tok, P, "q-answer", chat_template=False) == tok.encode(P.prompt("q-answer"),
+                                                                              add_special_tokens=False)
+
+
+def test_tags_registered_as_special_tokens_still_parse(byte_tokenizer):
+    """A tokenizer whose tags are special tokens: decoded without them, every action was invalid."""
+    import copy
+
+    from conftest import TAGS
+
+    tok = copy.deepcopy(byte_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": TAGS})
+    assert tok.decode(tok.encode("<answer> x </answer>", add_special_tokens=False), skip_special_tokens=True) == " x "
+    ro, _, retriever = _run(tok, ["q-answer", "q-search"], max_turns=2)
+    assert ro.answers == ["Paris", "Paris"] and ro.searches.tolist() == [0, 1] and retriever.calls == [["france capital"]]
+
+
+def test_a_turn_opening_question_mid_line_is_not_cut(byte_tokenizer):
+    """Only a turn that opens a line is cut at "Question:": after a prompt that ends mid-line, it is
+    the model's own text."""
+    import dataclasses
+
+    tok = byte_tokenizer
+    protocol = dataclasses.replace(P, stop=P.stop + ("\nQuestion:",), template="Answer it. Question: {question} ->")
+    scripts = {"q-inline": ["Question: x <answer> y </answer>"]}
+    ro = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, protocol, ["q-inline"], topk=1, max_turns=1)
+    assert ro.answers == ["y"]
+    newline = dataclasses.replace(protocol, template="Answer it. Question: {question}\n")  # a line opens: cut
+    ro = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, newline, ["q-inline"], topk=1, max_turns=0)
+    assert ro.answers == [None] and ro.responses == ["Question:"]
+
+
 def test_docs_hold_the_passages_the_model_was_shown(byte_tokenizer):
     """A passage cut away before its start (max_obs_tokens, max_len) was never read: it is not in
     docs, which R1-Searcher++'s rewrites, the evaluation records and bench/r1pp_table.py read."""
