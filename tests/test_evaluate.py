@@ -286,6 +286,39 @@ def test_a_file_whose_name_holds_a_comma_is_one_file(world, tmp_path):
     assert list(results["metrics"]) == ["my data, v2"]
 
 
+def test_a_record_scores_against_every_gold_and_counts_each_search(byte_tokenizer, tmp_path):
+    """Each metric takes the best over all the gold answers, the record keeps them all, and the
+    retrievals of a question are counted (rag: 1; direct and cot: 0; search: as made)."""
+    from test_rollout import SCRIPTS, ScriptedSampler
+
+    from searchlite.data import QA
+    from searchlite.evaluation import RecordLog, evaluate_set, make_record, run_batch
+    from searchlite.protocol import get_protocol
+
+    q = QA("1", "Which city?", ["Paris", "City of Light"])
+    r = make_record(q, "search", "the City of Light", "...", 2, [])
+    assert (r["em"], r["f1"], r["cover_em"], r["searches"]) == (1.0, 1.0, 1.0, 2)
+    assert r["golden_answers"] == ["Paris", "City of Light"]
+
+    class Fixed:  # answers every prompt alike
+        def generate(self, prompts, stop=(), max_new_tokens=None, greedy=True):
+            return [byte_tokenizer.encode("So the answer is Paris.\n<answer> Paris </answer>",
+                                          add_special_tokens=False) for _ in prompts]
+
+    protocol = get_protocol("search_r1")
+    for method, searched in (("direct", 0), ("cot", 0), ("rag", 1)):
+        [rec] = run_batch(method, [q], Fixed(), FakeRetriever(), byte_tokenizer, protocol, chat_template=False)
+        assert rec["searches"] == searched, method
+    qs = [QA(n, n, ["x"]) for n in ("q-budget", "q-search")]
+    recs = run_batch("search", qs, ScriptedSampler(byte_tokenizer, SCRIPTS), FakeRetriever(), byte_tokenizer,
+                     protocol, chat_template=False, max_turns=2)
+    assert [r["searches"] for r in recs] == [2, 1]
+    log = RecordLog(tmp_path / "records.jsonl")  # a set asked again with --limit: only the questions asked
+    run = lambda chunk: [make_record(c, "direct", "x", "", 0, []) for c in chunk]  # noqa: E731
+    evaluate_set("d", "direct", qs, log, run, progress=False)
+    assert [r["id"] for r in evaluate_set("d", "direct", qs[1:], log, run, progress=False)] == ["q-search"]
+
+
 def test_one_file_named_twice_is_refused(world, tmp_path):
     """It was run twice, as alpha and alpha_2, and counted twice in the average."""
     alpha = str(world / "alpha.jsonl")

@@ -67,6 +67,7 @@ def test_exact_match(pred, golds, expected):
         ("new york city", ["york", "New York City"], 1.0),  # max over golds
         # "cat cat cat" vs "cat": overlap min(3, 1) = 1 -> P = 1/3, R = 1 -> 1/2
         ("the cat cat cat", ["cat"], 0.5),
+        ("paris paris", ["paris paris"], 1.0),  # each repeat counts: overlap 2, not the 1 of a set
         ("dog", ["cat"], 0.0),
         # yes/no special case: plain token F1 would give 2/3 and 1/2
         ("no", ["no way"], 0.0),
