@@ -305,3 +305,27 @@ def test_a_pretty_printed_json_file_is_named_as_such(tmp_path):
                                                       "JSON document (an array?) over many lines; JSONL holds one "
                                                       "object a line")):
             read_qa(tmp_path / "qa.json")
+
+
+def test_held_folder_removes_only_a_folder_it_made_and_left_bare(tmp_path):
+    """A run stopped at start-up leaves no folder; a run that wrote its work, or a folder that was
+    there before, keeps every file."""
+    from searchlite.data import held_folder
+
+    busy = RuntimeError("busy")
+    with held_folder(tmp_path / "bare", "run.lock", busy, scratch=("run.json",)):
+        (tmp_path / "bare" / "run.json").write_text("{}")
+    assert not (tmp_path / "bare").exists()
+    with held_folder(tmp_path / "worked", "run.lock", busy, scratch=("run.json",)):
+        (tmp_path / "worked" / "run.json").write_text("{}")
+        (tmp_path / "worked" / "records.jsonl").write_text("{}\n")
+        (tmp_path / "worked" / "eval").mkdir()
+    assert sorted(p.name for p in (tmp_path / "worked").iterdir()) == ["eval", "records.jsonl", "run.json", "run.lock"]
+    (tmp_path / "before").mkdir()
+    with held_folder(tmp_path / "before", "run.lock", busy, scratch=("run.json",)):
+        (tmp_path / "before" / "run.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "before").iterdir()) == ["run.json", "run.lock"]
+    with held_folder(tmp_path / "held", "run.lock", busy):  # a second holder is refused
+        with pytest.raises(RuntimeError, match="busy"):
+            with held_folder(tmp_path / "held", "run.lock", busy):
+                pass

@@ -1052,6 +1052,17 @@ def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judge
         judge.score(recs)  # a key or endpoint fault still stops the run
 
 
+def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch):
+    """HTTP 429 (too many requests) passes: the request is sent again after the backoff, where
+    another 4xx (a bad request) is not."""
+    calls = []
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: calls.append(1) or (429 if len(calls) == 1
+                                                                                              else False)))
+    recs = [{"question": "q1", "golden_answers": ["Paris"], "prediction": "paris"}]
+    Judge(judge_server, "m", backoff=0.0).score(recs)
+    assert recs[0]["judge"] == 1.0 and len(JudgeHandler.seen) == 2
+
+
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
     prompt = tmp_path / "judge.txt"
     prompt.write_text("MY PROMPT {question}\nGold answer: {golden_answers}\nPredicted answer: {prediction}\n")
