@@ -395,6 +395,16 @@ def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
     assert results["average"]["rag"]["n"] == 8 and rows[("average", "direct")][1] == "0.633"
 
 
+@pytest.mark.parametrize("flag, value", [("--temperature", "0.7"), ("--dtype", "bfloat16"), ("--max_turns", "2"),
+                                         ("--max_new_tokens", "4"), ("--seed", "1")])
+def test_a_resume_with_another_generation_setting_is_refused(world, tmp_path, flag, value):
+    """Answers sampled otherwise are other records: each setting the answers depend on is checked."""
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "search", "--data", str(world / "beta.jsonl")))
+    with pytest.raises(SystemExit, match=rf"other settings \({flag[2:]}: "):
+        evaluate.main(cli(world, out, "--methods", "search", "--data", str(world / "beta.jsonl"), flag, value))
+
+
 def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(world, tmp_path, monkeypatch, capsys):
     """A lazy corpus checks a sample of its lines at load; a bad line a search met later (a FAISS
     file beside its corpus, a corpus edited since its index was built) was a traceback."""
