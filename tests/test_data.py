@@ -65,11 +65,13 @@ def test_qa_golden_answers_and_answer_forms(tmp_path):
                     "type": "bridge", "hops": 2}),
         json.dumps({"id": 7, "question": "Capital of France?", "answer": "Paris"}),
         json.dumps({"question": "Capital of Ecuador?", "answer": ["Quito"]}),
+        json.dumps({"id": "q4", "question": "Capital of Chile?", "golden_answers": ["Santiago"], "answer": "Lima"}),
     ])
     assert read_qa(p) == [
         QA("q1", "Capital of Peru?", ["Lima", "Lima, Peru"], {"type": "bridge", "hops": 2}),
         QA("7", "Capital of France?", ["Paris"], {}),
         QA("2", "Capital of Ecuador?", ["Quito"], {}),
+        QA("q4", "Capital of Chile?", ["Santiago"], {"answer": "Lima"}),  # golden_answers first; answer kept as meta
     ]
 
 

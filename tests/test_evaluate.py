@@ -300,15 +300,20 @@ def test_a_record_scores_against_every_gold_and_counts_each_search(byte_tokenize
     assert (r["em"], r["f1"], r["cover_em"], r["searches"]) == (1.0, 1.0, 1.0, 2)
     assert r["golden_answers"] == ["Paris", "City of Light"]
 
-    class Fixed:  # answers every prompt alike
+    class Fixed:  # answers every prompt alike, and keeps what it was asked to do
+        asked = []
+
         def generate(self, prompts, stop=(), max_new_tokens=None, greedy=True):
+            self.asked.append((max_new_tokens, greedy))
             return [byte_tokenizer.encode("So the answer is Paris.\n<answer> Paris </answer>",
                                           add_special_tokens=False) for _ in prompts]
 
     protocol = get_protocol("search_r1")
-    for method, searched in (("direct", 0), ("cot", 0), ("rag", 1)):
-        [rec] = run_batch(method, [q], Fixed(), FakeRetriever(), byte_tokenizer, protocol, chat_template=False)
-        assert rec["searches"] == searched, method
+    for method, searched, cap in (("direct", 0, 7), ("cot", 0, None), ("rag", 1, 7)):  # cot: the sampler's own cap
+        sampler = Fixed()
+        [rec] = run_batch(method, [q], sampler, FakeRetriever(), byte_tokenizer, protocol, chat_template=False,
+                          answer_tokens=7, greedy=False)
+        assert rec["searches"] == searched and sampler.asked[-1] == (cap, False), method
     qs = [QA(n, n, ["x"]) for n in ("q-budget", "q-search")]
     recs = run_batch("search", qs, ScriptedSampler(byte_tokenizer, SCRIPTS), FakeRetriever(), byte_tokenizer,
                      protocol, chat_template=False, max_turns=2)
@@ -396,7 +401,7 @@ def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "0.7"), ("--dtype", "bfloat16"), ("--max_turns", "2"),
-                                         ("--max_new_tokens", "4"), ("--seed", "1")])
+                                         ("--max_new_tokens", "4"), ("--seed", "1"), ("--answer_tokens", "2")])
 def test_a_resume_with_another_generation_setting_is_refused(world, tmp_path, flag, value):
     """Answers sampled otherwise are other records: each setting the answers depend on is checked."""
     out = tmp_path / "out"

@@ -53,6 +53,7 @@ def test_normalize_answer_idempotent_and_total(s):
         ("p", "paris", 0.0),
         (None, ["paris"], 0.0),
         ("paris", [], 0.0),
+        ("Paris -", ["Paris"], 1.0),  # SQuAD drops every punctuation mark, the hyphen too
     ],
 )
 def test_exact_match(pred, golds, expected):
@@ -68,6 +69,7 @@ def test_exact_match(pred, golds, expected):
         # "cat cat cat" vs "cat": overlap min(3, 1) = 1 -> P = 1/3, R = 1 -> 1/2
         ("the cat cat cat", ["cat"], 0.5),
         ("paris paris", ["paris paris"], 1.0),  # each repeat counts: overlap 2, not the 1 of a set
+        ("noanswer here", ["noanswer"], 0.0),  # FlashRAG's special case: noanswer too, not only yes and no
         ("dog", ["cat"], 0.0),
         # yes/no special case: plain token F1 would give 2/3 and 1/2
         ("no", ["no way"], 0.0),
@@ -112,6 +114,7 @@ def test_f1_score(pred, golds, expected):
         ("population of 1,234 people in Ri Tam town of Kor", ["1,234"], {}, 1.0),
         ("population of 1,234 people in Ri Tam town of Kor Sel", ["1,234"], {}, 0.0),  # 11
         ("the", ["a"], {}, 0.0),  # a gold that normalises to "" is found in no prediction
+        ("U.S. Navy", ["US"], {"max_words": None}, 1.0),  # punctuation deleted (SQuAD), not only spaced
         ("The", ["Paris", "An"], {}, 0.0),
     ],
 )
