@@ -88,9 +88,14 @@ BM25_BUILD = ("k1", "b")
 
 
 def build_kind(args) -> str:
-    """The kind `build` makes, with the flags of the other kind refused: a forgotten --encoder
-    built BM25 without a word, its --faiss and --pooling ignored."""
-    kind = args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
+    """The kind `build` makes: --kind, else dense with --encoder, else bm25."""
+    return args.kind if args.kind != "auto" else "dense" if args.encoder else "bm25"
+
+
+def check_build(args, kind: str) -> None:
+    """Exit with a message for flags a `kind` build cannot use: the other kind's (a forgotten
+    --encoder built BM25 without a word, its --faiss and --pooling ignored), bad BM25 parameters,
+    an --out that cannot be a folder."""
     other = [f"--{k}" for k in (BM25_BUILD if kind == "dense" else DENSE_BUILD)
              if getattr(args, k) not in (None, False)]
     if other:
@@ -102,7 +107,6 @@ def build_kind(args) -> str:
         sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 (got --k1 {args.k1}, --b {args.b})")
     if why := not_a_folder("--out", args.out):
         sys.exit(f"error: {why}")
-    return kind
 
 
 def build(args) -> None:
@@ -111,6 +115,7 @@ def build(args) -> None:
 
     corpus, t0 = resolve_path(args.corpus), time.time()
     kind = build_kind(args)
+    check_build(args, kind)
     busy = ValueError(f"another retrieve.py build is writing to {args.out}; wait for it to finish, or choose "
                       "another --out")
     with held_folder(args.out, BUILD_LOCK, busy, scratch=("corpus_offsets.npz",)):  # a failed fresh build: no folder
@@ -227,7 +232,7 @@ def main(argv=None) -> None:
     except (DataError, ValueError, RuntimeError, OSError) as e:  # OSError: an encoder the hub cannot give, ...
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # a traceback said nothing of what is kept
-        dense = args.cmd == "build" and (args.kind == "dense" or args.kind == "auto" and args.encoder)
+        dense = args.cmd == "build" and build_kind(args) == "dense"
         sys.stderr.write("\ninterrupted" + (": a dense build keeps its finished shards, and the same command "
                                              "continues from them\n" if dense else "\n"))
         sys.exit(130)

@@ -306,11 +306,12 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
             pairs.append((key, value))
         i += 1
     defaulted = preset is None
-    if preset is None:
-        preset = default_preset if presets.exists() and default_preset in read_presets(presets) else "none"
-        if not presets.exists():
-            print(f"note: no {presets}: the run takes the built-in defaults (python {prog} --help lists them), not "
-                  f"the [{default_preset}] preset", file=sys.stderr, flush=True)
+    if preset is None and presets.exists():
+        preset = default_preset if default_preset in read_presets(presets) else "none"
+    elif preset is None:
+        print(f"note: no {presets}: the run takes the built-in defaults (python {prog} --help lists them), not "
+              f"the [{default_preset}] preset", file=sys.stderr, flush=True)
+        preset = "none"
     values = load_preset(preset, presets) if preset != "none" else {}
     foreign = [k for k in values if (k not in reads if reads else k in STAGE1_ONLY)]
     if foreign:  # a preset written for the other program: it would run, quietly ignoring what it is for

@@ -578,15 +578,14 @@ def build_retriever(kind: str, corpus=None, *, encoder=None, pooling="mean", ind
     Other keywords go to the retriever's constructor."""
     if kind not in KINDS:
         raise ValueError(f"unknown retriever kind {kind!r}; valid: {', '.join(KINDS)}")
+    dense_only = [f"{name} {value!r}" for name, value, given in (
+        ("query prefix", query_prefix, query_prefix is not None), ("encoder", encoder, encoder is not None),
+        ("pooling", pooling, pooling != "mean")) if given]
+    if kind != "dense" and dense_only:  # else ignored without a word (a query prefix: BM25's TypeError)
+        raise ValueError(f"{' and '.join(dense_only)}: only a dense retriever encodes queries (a server has its "
+                         f"own: retrieve.py serve --encoder, --query_prefix), not retriever kind {kind!r}")
     if query_prefix is not None:
-        if kind != "dense":
-            raise ValueError(f"query prefix {query_prefix!r}: only a dense retriever encodes queries (a server has "
-                             f"its own: retrieve.py serve --query_prefix), not retriever kind {kind!r}")
         kw["query_prefix"] = query_prefix
-    dense_only = [f"{k} {v!r}" for k, v in (("encoder", encoder), ("pooling", pooling)) if v not in (None, "mean")]
-    if kind != "dense" and dense_only:  # it was ignored without a word
-        raise ValueError(f"{' and '.join(dense_only)}: only a dense retriever encodes queries (a server with its own "
-                         f"encoder), not retriever kind {kind!r}")
     if kind == "http":
         if not url:
             raise ValueError("retriever kind 'http' needs url=")
