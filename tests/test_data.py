@@ -87,6 +87,7 @@ GOOD_Q = json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]})
     (read_corpus, GOOD_C, '{"id": "2"}', "contents"),
     (read_corpus, GOOD_C, '{"id": "2", "contents": 5}', "'contents' must be a string"),
     (read_corpus, GOOD_C, '{"id": 2.5, "contents": "x"}', "'id' must be a string or integer"),
+    (read_corpus, GOOD_C, '{"id": true, "contents": "x"}', "'id' must be a string or integer, got bool"),
     (read_corpus, GOOD_C, '{"id": "2", "title": 3, "text": "x"}', "'title' must be a string"),
     (read_corpus, GOOD_C, '{"id": "1", "contents": "dup"}', "duplicate id '1' (first on line 1)"),
     (read_qa, GOOD_Q, "{'single': 'quotes'}", "bad JSON"),
@@ -110,6 +111,12 @@ def test_malformed_line_names_file_and_line(tmp_path, reader, good, bad, words):
         reader(p)
     assert str(e.value).startswith(f"{p}:3: "), str(e.value)
     assert words in str(e.value)
+
+
+def test_contents_wins_over_title_and_text_on_one_line(tmp_path):
+    """A line holding both forms is read as Search-R1's: `contents` (FlashRAG's corpora keep both)."""
+    line = {"id": "1", "title": "Lima", "text": "other", "contents": '"Paris"\nThe capital.'}
+    assert read_corpus(_write_lines(tmp_path / "c.jsonl", [json.dumps(line)])) == [Passage("1", "Paris", "The capital.")]
 
 
 def test_a_windows_line_end_inside_contents_leaves_the_title_clean(tmp_path):

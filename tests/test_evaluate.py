@@ -15,8 +15,8 @@ from test_rollout import FakeRetriever
 
 import evaluate
 from searchlite.data import QA, DataError
-from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, run_batch,
-                                   summarize)
+from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, question_type,
+                                   run_batch, summarize, table)
 from searchlite.judge import Judge, JudgeError, no_verdict, refused, verdict
 from searchlite.protocol import get_protocol
 
@@ -99,6 +99,22 @@ def test_cover_em_has_no_word_cap_and_types(tok):
     m = summarize(recs)
     assert m["1hop"]["n"] == 1 and m["2hop"]["n"] == 2 and m["all"]["n"] == 3
     assert m["2hop"]["em"] == 1.0 and m["1hop"]["em"] == 0.0 and m["all"]["em"] == pytest.approx(2 / 3)
+
+
+def test_question_type_precedence_and_per_type_table_rows():
+    """A line's own `type` wins over FlashRAG's `metadata.type`; table.md gives each type a
+    "dataset/type" row beside the dataset's own, with that type's means."""
+    q = lambda meta: QA("1", "q?", ["a"], meta)  # noqa: E731
+    assert question_type(q({"type": "2hop", "metadata": {"type": "bridge"}})) == "2hop"
+    assert question_type(q({"metadata": {"type": "comparison"}})) == "comparison"
+    assert question_type(q({"metadata": "bridge"})) is None and question_type(q({})) is None
+    rec = lambda kind, em: {"type": kind, "em": em, "f1": em, "cover_em": em, "searches": 1,  # noqa: E731
+                            "answered": 1.0, "length": 1}
+    summary = summarize([rec("bridge", 1.0), rec("bridge", 0.0), rec("comparison", 1.0)])
+    rows = parse_table(table({"hotpot": {"search": summary}}))
+    assert set(rows) == {("hotpot", "search"), ("hotpot/bridge", "search"), ("hotpot/comparison", "search")}
+    assert [rows[(d, "search")][:2] for d in ("hotpot", "hotpot/bridge", "hotpot/comparison")] == [
+        ["3", "0.667"], ["2", "0.500"], ["1", "1.000"]]
 
 
 def test_rag_retrieves_once_with_the_question(tok):
@@ -408,6 +424,23 @@ def test_a_resume_with_another_generation_setting_is_refused(world, tmp_path, fl
     evaluate.main(cli(world, out, "--methods", "search", "--data", str(world / "beta.jsonl")))
     with pytest.raises(SystemExit, match=rf"other settings \({flag[2:]}: "):
         evaluate.main(cli(world, out, "--methods", "search", "--data", str(world / "beta.jsonl"), flag, value))
+
+
+@pytest.mark.parametrize("extra, expected", [((), (True, 1.0, 0)), (("--temperature", "0.7", "--seed", "5"),
+                                                                         (False, 0.7, 5))])
+def test_temperature_and_seed_reach_the_sampler(world, tmp_path, monkeypatch, extra, expected):
+    """--temperature 0 decodes greedily; another samples at that temperature under --seed."""
+    from searchlite.sampler import HFSampler
+
+    seen = set()
+
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
+        seen.add((greedy, self.temperature, self.seed))
+        return scripted_generate(self, prompts, stop, max_new_tokens, greedy, budget)
+
+    monkeypatch.setattr(HFSampler, "generate", generate)
+    evaluate.main(cli(world, tmp_path / "out", "--methods", "direct,search", *extra))
+    assert seen == {expected}
 
 
 def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(world, tmp_path, monkeypatch, capsys):

@@ -70,13 +70,14 @@ def test_corpus_skips_every_blank_line_read_corpus_skips(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(corpus_module, "_CHUNK", chunk)
     row = lambda i: json.dumps({"id": str(i), "contents": f'"T{i}"\ntext {i}'})  # noqa: E731
-    lines = [row(0), " " * 40, row(1), "\u00a0\t", row(2), "\u3000" * 9 + "\r", "\x1c", "   " + row(3), " ", row(4)]
+    lines = [row(0), " " * 40, row(1), "\u00a0\t", row(2), "\u3000" * 9 + "\r", "\x1c", "   " + row(3), " ", row(4),
+             "\t\t", "\x0b", "\u1680", "\u2003 ", row(5)]  # each byte that can begin one, first
     p = tmp_path / "c.jsonl"
     for end in ("", "\n"):
         p.write_text("\n".join(lines) + end, encoding="utf-8")
         want = read_corpus(p)
-        assert [x.id for x in want] == ["0", "1", "2", "3", "4"] and list(Corpus(p)) == want
-        assert Corpus(p).line_no(4) == 10
+        assert [x.id for x in want] == ["0", "1", "2", "3", "4", "5"] and list(Corpus(p)) == want
+        assert Corpus(p).line_no(4) == 10 and Corpus(p).line_no(5) == 15
 
 
 def test_corpus_takes_a_bom_on_the_first_line_only_as_read_corpus_does(tmp_path):
@@ -105,6 +106,16 @@ def test_corpus_offsets_cache_follows_the_file(tmp_path):
     os.utime(other, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns))
     assert other.stat().st_size == p.stat().st_size
     assert [x.id for x in Corpus(other, offsets=cache)] == ["1", "22", "3"]  # not p's offsets: a bad JSON line
+
+
+def test_a_cache_that_cannot_be_written_does_not_stop_the_corpus(tmp_path):
+    """An offsets cache where no file can be made (a read-only index folder; here, under a file)
+    costs a scan next time, never the run."""
+    p, blocker = tmp_path / "c.jsonl", tmp_path / "a_file"
+    p.write_text('{"id": "1", "text": "one"}\n\n{"id": "2", "text": "two"}\n')
+    blocker.write_text("")
+    c = Corpus(p, offsets=blocker / "offsets.npz")
+    assert [x.id for x in c] == ["1", "2"] and c.line_no(1) == 3 and not (blocker / "offsets.npz").exists()
 
 
 def test_corpus_offsets_cache_is_written_whole_and_an_unreadable_one_rescanned(tmp_path, monkeypatch):
