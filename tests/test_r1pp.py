@@ -2,6 +2,7 @@
 rewrite data for memorization, the zero weight of L_M at mu = 0, and stage 1 / stage 2 end to end."""
 
 import json
+import random
 import re
 
 import pytest
@@ -719,3 +720,167 @@ def test_stage1_folder_is_named_after_its_preset_alone():
 
     assert parse_args(["--preset", "none"], reads=STAGE1_FIELDS).out_dir == "runs/none"
     assert parse_args(["--preset", "none", "--algo", "ppo"]).out_dir == "runs/none-ppo"  # train.py's
+
+
+# ---------------------------------------------------------------------------- rejection sampling
+
+
+def test_a_kept_trajectory_keeps_every_sampled_token_up_to_its_eos(byte_tokenizer):
+    """The SFT must see the whole response, its last token (EOS) included: a model that never
+    trains on EOS does not learn to stop after \\boxed{}."""
+    tok = byte_tokenizer
+    scripts = {"q-internal": [internal("paris")],
+               "q-search": ["Search. <|begin_external_search|> paris <|end_external_search|>", "So \\boxed{paris}."]}
+    qa = [QA(k, k, ["Paris"]) for k in scripts]
+    kept, _, _ = r1pp.rejection_sample(ScriptedSampler(tok, scripts), FixedRetriever(), tok, PP, qa, samples=1,
+                                       batch_size=2, max_turns=2, topk=1, chat_template=False)
+    trained = [tok.decode(kept.input_ids[i][kept.loss_mask[i].bool()], skip_special_tokens=False)
+               for i in range(len(kept))]
+    assert trained == [internal("paris") + tok.eos_token,
+                       "Search. <|begin_external_search|> paris <|end_external_search|>So \\boxed{paris}."
+                       + tok.eos_token]
+    for i in range(len(kept)):  # the row ends with the EOS, untruncated
+        end = int(kept.attention_mask[i].sum())
+        assert int(kept.input_ids[i, end - 1]) == tok.eos_token_id
+
+
+def test_well_formed_refuses_a_lone_result_tag_the_model_wrote():
+    """Only the environment writes result tags; a model that opens (or closes) one itself, even
+    without its pair, wrote a malformed trajectory: no format reward, not kept in stage 1."""
+    assert r1pp.well_formed(internal("paris"), PP)
+    assert not r1pp.well_formed(f"{PP.info_open} Paris is the capital. " + internal("paris"), PP)
+    assert not r1pp.well_formed("Paris is the capital. " + PP.info_close + " " + internal("paris"), PP)
+
+
+def test_open_sampling_log_with_resume_but_no_log_starts_one(tmp_path):
+    """--resume on a stage 1 that never wrote its log (a first run, or one stopped before it): a
+    fresh log, not a crash."""
+    fields = {"group": 2, "seed": 0}
+    log = r1pp.open_sampling_log(tmp_path / "sub" / "log.jsonl", fields, resume=True)
+    assert log.read_text() == '{"fields": {"group": 2, "seed": 0}}\n'
+
+
+# ---------------------------------------------------------------------------- rewrite demonstrations
+
+
+def _kept_four(tok):
+    """Four kept trajectories that searched, answers a-d, one passage each."""
+    prompts = [tok.encode(f"Question: q{k}\n", add_special_tokens=False) for k in "abcd"]
+    resp = [tok.encode(internal(k), add_special_tokens=False) for k in "abcd"]
+    docs = [[Hit(k, k, f"passage {k}", 1.0)] for k in "abcd"]
+    return _collate(prompts, resp, [[1] * len(r) for r in resp], [1] * 4, [2] * 4, list("abcd"), docs, tok)
+
+
+def test_rewrite_demos_are_drawn_with_the_seed(byte_tokenizer):
+    """`n` of the searched trajectories, drawn with `seed` (random.Random(seed).shuffle), not the
+    first `n` of the kept list (which is in question order: always the first questions)."""
+    kept, template = _kept_four(byte_tokenizer), "{documents}\n{question}"
+    picked = {}
+    for seed in range(6):
+        demos = r1pp.rewrite_demos(kept, [f"q{k}" for k in "abcd"], byte_tokenizer, PP, template, internal, n=2,
+                                   seed=seed, chat_template=False)
+        order = [0, 1, 2, 3]
+        random.Random(seed).shuffle(order)
+        assert demos.answers == ["abcd"[i] for i in order[:2]], seed
+        picked[seed] = tuple(demos.answers)
+    assert len(set(picked.values())) > 1
+
+
+# ---------------------------------------------------------------------------- rewrite prompt
+
+
+def test_rewrite_template_needs_both_placeholders(tmp_path, monkeypatch):
+    for text in ("{documents} only, no question\n", "Question: {question}, no documents\n"):
+        path = tmp_path / "custom_rewrite.txt"
+        path.write_text(text)
+        monkeypatch.setattr(r1pp, "rewrite_path", lambda name, template="": path)
+        with pytest.raises(ValueError, match=r"needs \{documents\} and \{question\}"):
+            r1pp.rewrite_template(PP, "custom")
+
+
+# ---------------------------------------------------------------------------- memorization (stage 2)
+
+
+def test_memorization_batch_counts_its_rewrites_when_none_is_kept(byte_tokenizer):
+    """mem_tried counts the rewrites asked for, kept or not: 2 correct searched rollouts whose
+    rewrites are both refused give (None, 2), so the metrics show 2 tried and 0 kept."""
+    doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
+
+    ro = _Fake([(searched("paris"), "paris", 1), (searched("paris"), "paris", 1)], docs=[[doc], [doc]])
+    sampler = ScriptedSampler(byte_tokenizer, {"q-a": ["The documents say " + internal("paris")],
+                                               "q-b": [internal("lyon")]})
+    mem, tried = r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), ro,
+                                         [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])], chat_template=False)
+    assert mem is None and tried == 2
+
+
+def test_memorization_backward_without_rows_reports_no_loss(tiny_llama, byte_tokenizer):
+    """A mini-batch with no rewrite has no L_M: None (train.py then logs nothing), not 0.0, which
+    would pull the logged mem_loss toward 0; and no gradient."""
+    mem = _batch(byte_tokenizer, n=2)
+    assert r1pp.memorization_backward(tiny_llama, mem, [], 0.1, 2, "cpu") is None
+    assert r1pp.memorization_backward(tiny_llama, None, [0, 1], 0.1, 2, "cpu") is None
+    assert all(p.grad is None for p in tiny_llama.parameters())
+
+
+class Seen(Exception):
+    pass
+
+
+def _flags(tiny_model, out, *extra):
+    return ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out),
+            "--sft_questions", "4", "--group", "2", "--batch_size", "4", "--sft_rewrites", "1", *extra]
+
+
+def test_stage1_seed_draws_the_questions_and_seeds_the_teacher(tiny_model, tmp_path, monkeypatch):
+    """--seed shuffles the train questions before --sft_questions cuts them (random.Random(seed)),
+    and the teacher starts from random.Random(seed); the rollout gets --topk, --max_len,
+    --max_turns and --max_obs_tokens."""
+    from searchlite.config import TOY_DIR
+    from searchlite.data import read_qa
+
+    seen = {}
+
+    def spy(sampler, retriever, tokenizer, protocol, qa, samples, batch_size, log=None, **kw):
+        seen.update(ids=[q.id for q in qa], rng=sampler.rng.getstate(), samples=samples, batch_size=batch_size, kw=kw)
+        raise Seen
+
+    monkeypatch.setattr(r1pp, "rejection_sample", spy)
+    for seed in (3, 4):
+        with pytest.raises(Seen):
+            r1pp.main(_flags(tiny_model, tmp_path / str(seed), "--seed", str(seed), "--topk", "2", "--max_len", "900",
+                             "--max_turns", "3", "--max_obs_tokens", "77"))
+        qa = list(read_qa(TOY_DIR / "train.jsonl"))
+        random.Random(seed).shuffle(qa)
+        assert seen["ids"] == [q.id for q in qa[:4]], seed
+        assert seen["rng"] == random.Random(seed).getstate(), seed
+        assert (seen["samples"], seen["batch_size"]) == (2, 4)
+        assert {k: seen["kw"][k] for k in ("topk", "max_len", "max_turns", "max_obs_tokens")} == \
+            {"topk": 2, "max_len": 900, "max_turns": 3, "max_obs_tokens": 77}
+
+
+def test_stage1_sft_flags_reach_the_sft_and_the_demonstrations(tiny_model, tmp_path, monkeypatch):
+    """--seed seeds the rewrite demonstrations' draw and the SFT's batch order; --weight_decay,
+    --grad_clip, --micro_batch_size, --sft_lr, --sft_batch_size and --sft_epochs reach sft()."""
+    from searchlite import sft
+
+    seen, real_demos = {}, r1pp.rewrite_demos
+
+    def demos_spy(kept, asked, tokenizer, protocol, template, recall, n, seed=0, chat_template=True):
+        seen["demo_seed"], seen["demo_n"] = seed, n
+        return real_demos(kept, asked, tokenizer, protocol, template, recall, n, seed, chat_template)
+
+    def sft_spy(model, input_ids, loss_mask, **kw):
+        seen["sft"] = kw
+        raise Seen
+
+    monkeypatch.setattr(r1pp, "rewrite_demos", demos_spy)
+    monkeypatch.setattr(sft, "sft", sft_spy)
+    with pytest.raises(Seen):
+        r1pp.main(_flags(tiny_model, tmp_path, "--seed", "5", "--weight_decay", "0.125", "--grad_clip", "0.5",
+                         "--micro_batch_size", "2", "--sft_lr", "0.0625", "--sft_batch_size", "3", "--sft_epochs", "2"))
+    assert (seen["demo_seed"], seen["demo_n"]) == (5, 1)
+    got = {k: seen["sft"][k] for k in ("seed", "weight_decay", "grad_clip", "micro_batch_size", "lr", "batch_size",
+                                       "epochs")}
+    assert got == {"seed": 5, "weight_decay": 0.125, "grad_clip": 0.5, "micro_batch_size": 2, "lr": 0.0625,
+                   "batch_size": 3, "epochs": 2}

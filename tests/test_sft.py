@@ -186,3 +186,48 @@ def test_left_padded_rows_are_refused(byte_tokenizer):
     with pytest.raises(ValueError, match="right-padded"):
         sft(make_tiny_llama(byte_tokenizer), ids, torch.tensor([[0, 0, 1, 1, 1, 1]]),
             attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]), progress=False)
+
+
+def test_sft_loss_over_no_trained_token_is_zero_with_a_zero_gradient(byte_tokenizer):
+    """memorization_backward's padding passes (a rank with fewer rewrites, under torchrun) have
+    loss_mask 0 everywhere: their loss must be 0 and their gradient 0, not NaN."""
+    model = make_tiny_llama(byte_tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    loss = sft_loss(model, ids, torch.zeros_like(ids), torch.ones_like(ids))
+    (0.0 * loss).backward()
+    assert loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+
+
+def test_pools_are_random_rows_not_index_ranges():
+    """All rows of one length, pool 1 (no length sorting to speak of): each batch is a chunk of
+    the seeded permutation torch.randperm(n, gen), not rows 0-1, 2-3, ... (the stage-1 rows are
+    in question order, so index-range pools would never mix early and late questions)."""
+    lengths = torch.full((8,), 5)
+    for seed in range(3):
+        batches = length_batches(lengths, 2, torch.Generator().manual_seed(seed), pool=1)
+        got = {tuple(sorted(b.tolist())) for b in batches}
+        order = torch.randperm(8, generator=torch.Generator().manual_seed(seed)).tolist()
+        want = {tuple(sorted(order[i:i + 2])) for i in range(0, 8, 2)}
+        assert got == want, seed
+        assert got != {(0, 1), (2, 3), (4, 5), (6, 7)}, seed
+
+
+def test_the_seed_orders_the_sft_batches(byte_tokenizer, monkeypatch):
+    """sft(seed=s) draws its batches from torch.Generator().manual_seed(s): another seed, another order."""
+    import searchlite.sft as sft_module
+
+    drawn, real = [], sft_module.length_batches
+
+    def spy(*a, **k):
+        batches = real(*a, **k)
+        drawn.append([b.tolist() for b in batches])
+        return batches
+
+    monkeypatch.setattr(sft_module, "length_batches", spy)
+    ids, mask, attention = rows(byte_tokenizer, n=8)
+    for seed in (0, 1):
+        sft(make_tiny_llama(byte_tokenizer), ids, mask, attention_mask=attention, lr=0.0, batch_size=2, seed=seed,
+            progress=False)
+    want = [[b.tolist() for b in real(attention.sum(1), 2, torch.Generator().manual_seed(s))] for s in (0, 1)]
+    assert drawn == want and want[0] != want[1]

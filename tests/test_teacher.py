@@ -13,6 +13,7 @@ from searchlite.rewards import cover_exact_match
 from searchlite.teacher import Teacher
 
 PP = get_protocol("r1_searcher_pp", "toy")
+TOK = SimpleNamespace(eos_token="<eos>")
 EXACT = dict(p_guess=0.0, p_famous_internal=1.0, p_stop=0.0, p_verbatim=0.0, p_wrong_span=0.0)
 PASSAGES = {"Kova Works": "Kova Works was founded by Lira Dun in 1850.", "Lira Dun": "Lira Dun was born in Tesk.",
             "Tesk": "Tesk is a city in the region of Varn.", "Bo Sel": "Bo Sel (born 1801 in Tesk).",
@@ -46,7 +47,7 @@ def answer(response):
 def test_two_hop_recalls_only_when_every_hop_is_famous(famous, searches):
     q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
            {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", famous[0]), hop("Tesk", "Varn", famous[1])]})
-    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **EXACT)
+    teacher = Teacher(TOK, PP, [q], seed=0, **EXACT)
     response, n = play(teacher, q.question)
     assert n == searches and response.count("<|begin_internal_answer|>") == (searches == 0)
     assert well_formed(response, PP) and cover_exact_match(answer(response), q.answers) == 1.0
@@ -57,14 +58,14 @@ def test_two_hop_recalls_only_when_every_hop_is_famous(famous, searches):
 def test_comparison_looks_up_both_years_and_compares():
     q = QA("2", "Who was born first, Bo Sel or Ri Tam?", ["Ri Tam"],
            {"type": "comparison", "hops": [hop("Bo Sel", "1801", True), hop("Ri Tam", "1799", False)]})
-    response, n = play(Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **EXACT), q.question)
+    response, n = play(Teacher(TOK, PP, [q], seed=0, **EXACT), q.question)
     assert n == 2 and answer(response) == "Ri Tam" and well_formed(response, PP)
 
 
 def test_a_guess_answers_at_once_with_a_value_of_the_same_kind():
     q = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
     other = QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", False)]})
-    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q, other], seed=0, **(EXACT | {"p_guess": 1.0}))
+    teacher = Teacher(TOK, PP, [q, other], seed=0, **(EXACT | {"p_guess": 1.0}))
     response, n = play(teacher, q.question)
     assert n == 0 and "<|begin_internal_answer|>" in response and answer(response) in ("1801", "1799")
 
@@ -72,7 +73,7 @@ def test_a_guess_answers_at_once_with_a_value_of_the_same_kind():
 def test_a_stop_after_the_first_hop_answers_the_bridge():
     q = QA("3", "In which region was Lira Dun born?", ["Varn"],
            {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", False), hop("Tesk", "Varn", False)]})
-    teacher = Teacher(SimpleNamespace(eos_token="<eos>"), PP, [q], seed=0, **(EXACT | {"p_stop": 1.0}))
+    teacher = Teacher(TOK, PP, [q], seed=0, **(EXACT | {"p_stop": 1.0}))
     response, n = play(teacher, q.question)
     assert n == 1 and answer(response) == "Tesk"
 
@@ -83,3 +84,60 @@ def test_questions_without_hops_are_refused_with_the_way_out():
     plain = QA(id="hq1", question="Who wrote it?", answers=["Lira Dun"], meta={})
     with pytest.raises(ConfigError, match=r"question 'hq1' has no 'hops'.*--cold_start_sampler policy"):
         Teacher(None, PP, [plain])
+
+
+
+
+def test_a_later_comparison_picks_the_later_year():
+    """Bo Sel 1801, Ri Tam 1799: born first is Ri Tam (the existing test), born later is Bo Sel."""
+    q = QA("6", "Who was born later, Bo Sel or Ri Tam?", ["Bo Sel"],
+           {"type": "comparison", "hops": [hop("Bo Sel", "1801", False), hop("Ri Tam", "1799", False)]})
+    response, n = play(Teacher(TOK, PP, [q], seed=0, **EXACT), q.question)
+    assert n == 2 and answer(response) == "Bo Sel"
+
+
+def test_a_stopped_comparison_answers_a_coin_flip_after_one_lookup():
+    q = QA("2", "Who was born first, Bo Sel or Ri Tam?", ["Ri Tam"],
+           {"type": "comparison", "hops": [hop("Bo Sel", "1801", False), hop("Ri Tam", "1799", False)]})
+    answers = set()
+    for seed in range(8):
+        response, n = play(Teacher(TOK, PP, [q], seed=seed, **(EXACT | {"p_stop": 1.0})), q.question)
+        assert n == 1, seed  # one lookup, then an answer
+        answers.add(answer(response))
+    assert answers == {"Bo Sel", "Ri Tam"}  # a coin flip between the two names
+
+
+def test_a_verbatim_search_queries_the_whole_question():
+    q = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
+    out = Teacher(TOK, PP, [q], seed=0, **(EXACT | {"p_verbatim": 1.0})).turn(f"Question: {q.question}\n")
+    assert out.endswith(f"<|begin_external_search|> {q.question} <|end_external_search|>")
+
+
+def test_a_wrong_span_copies_another_value_from_the_passage():
+    """With p_wrong_span 1 the teacher copies a value of the same kind that the passage shows, never
+    the right one and never one the passage lacks."""
+    q = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
+    others = [QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", False)]}),
+              QA("7", "When was Kova Works founded?", ["1850"], {"type": "1hop", "hops": [hop("Kova", "1850", False)]}),
+              QA("8", "When was Lo Pim born?", ["1803"], {"type": "1hop", "hops": [hop("Lo Pim", "1803", False)]})]
+    context = (f"Question: {q.question}\nI need to search Bo Sel. <|begin_external_search|> Bo Sel "
+               f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Bo Sel) Bo Sel (born 1801, baptised 1803).\n"
+               f"{PP.info_close}\n")
+    for seed in range(10):
+        out = Teacher(TOK, PP, [q, *others], seed=seed, **(EXACT | {"p_wrong_span": 1.0})).turn(context)
+        assert PP.parse(out).content == "1803", seed
+        right = Teacher(TOK, PP, [q, *others], seed=seed, **EXACT).turn(context)
+        assert PP.parse(right).content == "1801", seed
+
+
+def test_every_answer_turn_ends_with_eos():
+    """The teacher's turns are whole: an answer from memory (and recall, which writes stage 1's
+    rewrite demonstrations) ends with EOS, so the SFT teaches the model to stop there."""
+    q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
+           {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", True), hop("Tesk", "Varn", True)]})
+    teacher = Teacher(TOK, PP, [q], seed=0, **EXACT)
+    response, n = play(teacher, q.question)
+    assert n == 0 and response.endswith("\\boxed{Varn}.<eos>")
+    assert teacher.recall("Varn").endswith("\\boxed{Varn}.<eos>")
+    searched, n = play(Teacher(TOK, PP, [q], seed=0, **(EXACT | {"p_famous_internal": 0.0})), q.question)
+    assert n == 2 and searched.endswith("\\boxed{Varn}.<eos>")
