@@ -2,6 +2,7 @@
 random encoder built offline, the HTTP client against a stdlib Search-R1-style server."""
 
 import json
+import math
 import re
 import socket
 import threading
@@ -14,7 +15,7 @@ from conftest import JSONHandler, save_bag_of_words_bert
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
-                                  config_retriever, default_prefixes)
+                                  config_retriever, default_prefixes, load_index)
 
 CORPUS = [
     Passage("v0", "Volcano", "A volcano is a rupture in the crust where lava, ash and hot gases escape from a magma chamber below the surface."),
@@ -92,6 +93,8 @@ def test_search_rejects_bad_arguments():
         _Spy().search("one string", k=3)
     with pytest.raises(ValueError, match="k must be"):
         _Spy().search(["q"], k=0)
+    with pytest.raises(ValueError, match="k must be a positive integer, got True"):
+        _Spy().search(["q"], k=True)
 
 
 def test_bm25_dedup_through_real_retriever():
@@ -155,6 +158,35 @@ def test_bm25_rejects_unknown_backend_and_empty_corpus():
         BM25Retriever(CORPUS, backend="lucene")
     with pytest.raises(ValueError, match="BM25Retriever needs at least one passage"):
         BM25Retriever([])
+
+
+def test_rank_bm25_scores_with_the_given_k1_and_b_by_hand():
+    """rank_bm25's Okapi term score idf * tf (k1 + 1) / (tf + k1 (1 - b + b |d| / avgdl)), idf =
+    ln((N - df + 0.5) / (df + 0.5)); k1 and b as given (Pyserini's 0.9 / 0.4), not the package's."""
+    # tokens: [apple banana], [apple apple cherry date], [cherry], [elder fig grape]: avgdl 2.5, N 4
+    passages = [Passage(str(i), "", t) for i, t in
+                enumerate(["apple banana", "apple apple cherry date", "cherry", "elder fig grape"])]
+    idf = math.log((4 - 1 + 0.5) / (1 + 0.5))  # banana, date: one passage each
+    for k1, b in ((1.5, 0.75), (0.9, 0.4)):
+        [hits] = BM25Retriever(passages, backend="rank_bm25", k1=k1, b=b).search(["banana date"], k=3)
+        want = {str(i): idf * (k1 + 1) / (1 + k1 * (1 - b + b * dl / 2.5)) for i, dl in ((0, 2), (1, 4))}
+        assert [h.id for h in hits] == ["0", "1"]
+        assert {h.id: h.score for h in hits} == pytest.approx(want, rel=1e-9)
+
+
+def test_a_bm25_index_of_another_size_or_of_two_builds_is_refused(tmp_path):
+    """Hits would point at other passages, or past the corpus's end."""
+    from searchlite.bm25 import BM25Index
+
+    index = BM25Retriever(CORPUS).index
+    with pytest.raises(ValueError, match=f"BM25 index holds {len(CORPUS)} passages but there are 3"):
+        BM25Retriever(CORPUS[:3], index=index)
+    for names in (["indices.csc.index.npy"], ["indices.csc.index.npy", "data.csc.index.npy"]):
+        index.save(tmp_path)  # posting arrays that do not fit the offsets: files of another build
+        for name in names:
+            np.save(tmp_path / name, np.load(tmp_path / name)[:-1])
+        with pytest.raises(ValueError, match="the BM25 index files do not fit together"):
+            BM25Index.load(tmp_path)
 
 
 # ---------------------------------------------------------------------------- dense
@@ -245,11 +277,72 @@ def test_dense_save_load_round_trip(dense, tmp_path):
         DenseRetriever.load(tmp_path / "idx", CORPUS[::-1])
 
 
+def test_a_saved_folder_restores_its_query_prefix_pooling_and_max_length(encoder_dir, tmp_path):
+    r = DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), pooling="cls", query_prefix="query: ", max_length=8)
+    r.save(tmp_path / "idx")
+    loaded = load_index(tmp_path / "idx", CORPUS)
+    assert (loaded.query_prefix, loaded.text_encoder.pooling, loaded.text_encoder.max_length) == ("query: ", "cls", 8)
+    qs = [q for q, _ in DENSE_QUERIES]
+    assert loaded.search(qs, 3) == r.search(qs, 3)
+
+
+def test_a_sharded_build_keeps_vector_i_for_passage_i_and_its_prefixes(encoder_dir, tmp_path):
+    """Shards are added in corpus order, each passage encoded with the passage prefix given, and
+    the folder keeps the query prefix given (the encoder's name selects none of its own)."""
+    from searchlite.indexing import build_dense_folder
+    from searchlite.retrieval import TextEncoder
+
+    enc = str(encoder_dir / "tiny-bert")
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    for prefix in ("", "passage: "):
+        out = tmp_path / f"idx{len(prefix)}"
+        r = build_dense_folder(tmp_path / "c.jsonl", out, enc, shard_size=3, max_length=48, progress=False,
+                               query_prefix=prefix.replace("passage", "query") or None, passage_prefix=prefix or None)
+        want = TextEncoder(enc, max_length=48).encode([prefix + p.contents for p in CORPUS])
+        np.testing.assert_allclose(r.index.reconstruct_n(0, len(CORPUS)), want, atol=1e-6)
+        assert load_index(out).query_prefix == prefix.replace("passage", "query")
+    own = load_index(tmp_path / "idx0").search([p.contents for p in CORPUS], 1)
+    assert [hits[0].id for hits in own] == [p.id for p in CORPUS]
+
+
+@pytest.mark.parametrize("changed, field", [({"passage_prefix": "passage: "}, "passage_prefix"),
+                                            ({"max_length": 16}, "max_length")])
+def test_kept_shards_of_another_passage_prefix_or_max_length_are_refused(encoder_dir, tmp_path, changed, field):
+    """Shards encoded one way would be joined with shards encoded another, under one dense.json."""
+    from searchlite.indexing import build_dense_folder
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    kw = dict(max_length=48, keep_shards=True, progress=False)
+    build_dense_folder(tmp_path / "c.jsonl", tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw)
+    with pytest.raises(ValueError, match=rf"shards holds a build with other settings \({field} differ\)"):
+        build_dense_folder(tmp_path / "c.jsonl", tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw | changed)
+
+
+def test_an_encoder_without_a_pad_token_pads_with_its_unk_token(encoder_dir, tmp_path):
+    """Decoder-style encoders ship without a pad token: a batch must still pad, and the mask keep
+    the padding out of the mean."""
+    import shutil
+
+    from searchlite.retrieval import TextEncoder
+
+    path = tmp_path / "no-pad"
+    shutil.copytree(encoder_dir / "tiny-bert", path)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).exists():
+            cfg = json.loads((path / name).read_text())
+            cfg.pop("pad_token", None)
+            (path / name).write_text(json.dumps(cfg))
+    te = TextEncoder(str(path), max_length=48)
+    assert te.tokenizer.pad_token == te.tokenizer.unk_token
+    short = "string instrument"
+    np.testing.assert_allclose(te.encode([CORPUS[1].contents, short])[1], te.encode([short])[0], atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- HTTP
 
 
 class _SearchR1Handler(JSONHandler):
-    """Search-R1's /retrieve over a BM25 "index"; `fail_first` answers 500 that many times."""
+    """Search-R1's /retrieve over a BM25 "index"; `fail_first` answers `fail_code` (500) that many times."""
 
     def do_POST(self):
         srv = self.server
@@ -258,7 +351,7 @@ class _SearchR1Handler(JSONHandler):
         time.sleep(srv.delays.pop(0) if srv.delays else 0)
         if srv.status != 200 or srv.fail_first > 0:
             srv.fail_first -= 1
-            return self.send_json(srv.status if srv.status != 200 else 500, {"detail": "boom"})
+            return self.send_json(srv.status if srv.status != 200 else srv.fail_code, {"detail": "boom"})
         if isinstance(srv.reply, bytes):  # a page that is not JSON
             self.send_response(200)
             self.send_header("Content-Length", str(len(srv.reply)))
@@ -281,6 +374,7 @@ def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _SearchR1Handler)
     srv.index, srv.requests, srv.fail_first, srv.status, srv.wrap = BM25Retriever(CORPUS), [], 0, 200, True
     srv.delays, srv.reply = [], None  # seconds each next request waits before its answer; a fixed reply
+    srv.fail_code = 500
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
@@ -334,6 +428,19 @@ def test_http_client_retries_server_errors(server):
     server.fail_first = 2
     out = HTTPRetriever(_url(server), retries=3, backoff=0.01).search(["what causes ocean tides"], k=1)
     assert out[0][0].id == "v8" and len(server.requests) == 3
+
+
+def test_http_client_retries_a_429(server):
+    """429 Too Many Requests is the server asking to come back later, not a bad request."""
+    server.fail_first, server.fail_code = 1, 429
+    out = HTTPRetriever(_url(server), retries=2, backoff=0.01).search(["what causes ocean tides"], k=1)
+    assert out[0][0].id == "v8" and len(server.requests) == 2
+
+
+def test_http_client_splits_queries_into_requests_of_max_queries(server):
+    qs = [q for q, _ in BM25_QUERIES[:5]]
+    assert HTTPRetriever(_url(server), max_queries=2).search(qs, k=2) == server.index.search(qs, 2)
+    assert [body["queries"] for _, body in server.requests] == [qs[0:2], qs[2:4], qs[4:5]]
 
 
 def test_http_client_gives_up_with_clear_error(server):

@@ -837,6 +837,49 @@ def test_a_batch_holds_at_most_max_batch_queries_in_arrival_order(toy_passages):
     assert r.calls == [3, 3 + 1, 5, 2]  # a request over max_batch runs alone
 
 
+def test_a_client_gone_from_a_batch_does_not_shift_the_others_hits(toy_passages):
+    """A cancelled request's share of a merged batch is still stepped over: the requests after it
+    get their own hits, not the next request's."""
+    import asyncio
+
+    from searchlite.server import Batcher
+
+    r = CountingRetriever(toy_passages)
+
+    async def three():
+        batcher = Batcher(r, wait=0.1, max_batch=4096)
+        try:
+            gone = asyncio.ensure_future(batcher.search(QUERIES[0:2], 2))
+            rest = [asyncio.ensure_future(batcher.search(qs, 2)) for qs in (QUERIES[2:3], QUERIES[3:5])]
+            await asyncio.sleep(0.02)  # all three queued, the batch not yet searched
+            gone.cancel()
+            return await asyncio.gather(*rest)
+        finally:
+            batcher.task.cancel()
+
+    second, third = asyncio.run(three())
+    assert r.calls == [5]  # one merged search, the gone request's queries included
+    assert second == r.inner.search(QUERIES[2:3], 2) and third == r.inner.search(QUERIES[3:5], 2)
+
+
+def test_make_app_holds_batches_to_its_max_batch(toy_passages):
+    from searchlite.server import make_app
+
+    r = CountingRetriever(toy_passages)
+    body = lambda q: json.dumps({"queries": [q], "topk": 1, "return_scores": True}).encode()  # noqa: E731
+    with running(make_app(r, max_batch=2, batch_wait=0.3)) as url, ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda q: _post(url, body(q))[1]["result"][0][0]["document"]["id"], QUERIES[:4]))
+    assert found == [hits[0].id for hits in r.inner.search(QUERIES[:4], 1)]
+    assert sum(r.calls) == 4 and max(r.calls) <= 2  # four requests in one wait: batches of 2 at most
+
+
+def test_our_client_reaches_our_server_by_a_url_with_a_trailing_slash(served):
+    """http://host:port/ is a common way to write the URL: '//retrieve' is a 404 on this server (the
+    stdlib test server of test_retrieval.py folds the double slash, so it cannot tell)."""
+    url, r = served
+    assert HTTPRetriever(url + "/").search(QUERIES[:2], 2) == r.inner.search(QUERIES[:2], 2)
+
+
 def test_an_app_mounted_in_another_answers(toy_passages):
     """Starlette runs no lifespan of a mounted app: the batcher never started and /retrieve hung."""
     from fastapi import FastAPI
