@@ -520,3 +520,51 @@ def test_a_query_prefix_is_for_a_dense_retriever():
     with pytest.raises(ConfigError, match=r"^--query_prefix 'query: ': only --retriever dense encodes queries .*"
                                           r"not --retriever bm25$"):
         check_config(parse_args(["--query_prefix", "query: "]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--micro_batch_size", "0"), "--micro_batch_size 0: must be at least 1"),
+    (("--ppo_epochs", "0"), "--ppo_epochs 0: must be at least 1"),  # no update, then a ZeroDivisionError
+    (("--topk", "0"), "--topk 0: must be at least 1"),
+    (("--max_new_tokens", "0"), "--max_new_tokens 0: must be at least 1"),
+    (("--warmup_steps", "-1"), "--warmup_steps -1: must be at least 0"),
+    (("--top_p", "0"), "--top_p 0.0: must be in (0, 1]"),  # nucleus of nothing
+    (("--lam", "1.5"), "--lam 1.5: must be in [0, 1]"),
+    (("--clip_eps", "0"), "--clip_eps 0.0: must be in (0, inf)"),  # every ratio clipped: no policy gradient
+    (("--grad_clip", "-1"), "--grad_clip -1.0: must be in (0, inf)"),
+    (("--weight_decay", "-0.01"), "--weight_decay -0.01: must be in [0, inf)"),
+])
+def test_more_values_no_run_can_use_are_refused(flags, message):
+    got = checked(*flags)
+    assert got is not None and message in got, got
+
+
+def test_a_dashed_flag_names_its_field(tmp_path):
+    """--batch-size is --batch_size (module docstring: flags are field names; dashes as underscores)."""
+    p = tmp_path / "configs.toml"
+    p.write_text(PRESETS)
+    cfg = parse_args(["--batch-size", "4", "--kl-coef=0.5"], p)
+    assert (cfg.batch_size, cfg.kl_coef) == (4, 0.5)
+
+
+def test_a_program_that_reads_a_few_fields_refuses_the_others():
+    """Stage 1 does not train with --lr: the flag is refused, not silently ignored."""
+    from searchlite.r1pp import STAGE1_FIELDS
+
+    assert "lr" not in STAGE1_FIELDS
+    with pytest.raises(ConfigError, match=r"does not read --lr \(it reads: "):
+        parse_args(["--lr", "1e-5"], prog="-m searchlite.r1pp stage1", reads=STAGE1_FIELDS)
+
+
+def test_a_preset_s_false_boolean_stays_false(tmp_path):
+    """TOML booleans are taken as they are: `chat_template = false` in a preset turns the template off."""
+    p = tmp_path / "configs.toml"
+    p.write_text("[p]\nchat_template = false\nmask_retrieved = true\ngroup_reward = false\n")
+    cfg = parse_args(["--preset", "p"], p)
+    assert (cfg.chat_template, cfg.mask_retrieved, cfg.group_reward) == (False, True, False)
+
+
+def test_a_dense_retriever_may_take_its_encoder_from_a_saved_index():
+    """--retriever dense --index FOLDER needs no --encoder (the index names it): only neither is refused."""
+    assert checked("--retriever", "dense", "--index", "toy/model") is None
+    assert "--retriever dense needs --encoder" in checked("--retriever", "dense")

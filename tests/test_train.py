@@ -1057,3 +1057,291 @@ def test_a_step_line_comes_before_its_evaluation(tiny_model, tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "eval step "))]
     assert [line.split("|")[0].split()[:3] for line in lines] == [["eval", "step", "0"], ["step", "1"],
                                                                     ["eval", "step", "1"]]
+
+
+def test_sampling_and_rollout_flags_reach_the_sampler_and_the_rollout(tiny_model, tmp_path, varied_reward,
+                                                                       monkeypatch):
+    """--seed, --temperature, --top_p, --max_new_tokens, --gen_batch_size reach the training sampler;
+    --max_turns, --topk, --max_obs_tokens, --max_len, --chat_template, --mask_retrieved each rollout."""
+    samplers, rollouts = [], []
+    real_sampler, real_rollout = train.HFSampler, train.rollout
+
+    def sampler_spy(model, tokenizer, **kw):
+        samplers.append(kw)
+        return real_sampler(model, tokenizer, **kw)
+
+    def rollout_spy(*a, **kw):
+        rollouts.append(kw)
+        kw["ro"] = real_rollout(*a, **{k: v for k, v in kw.items()})
+        return kw["ro"]
+
+    monkeypatch.setattr(train, "HFSampler", sampler_spy)
+    monkeypatch.setattr(train, "rollout", rollout_spy)
+    train.main(args(tiny_model, tmp_path / "run", "grpo", steps=1, extra=[
+        "--seed", "7", "--temperature", "0.9", "--top_p", "0.8", "--max_new_tokens", "5", "--gen_batch_size", "3",
+        "--max_turns", "2", "--topk", "2", "--max_obs_tokens", "40", "--max_len", "300", "--chat_template", "false",
+        "--mask_retrieved", "false", "--eval_every", "0"]))
+    assert samplers == [dict(max_new_tokens=5, temperature=0.9, top_p=0.8, seed=7, batch_size=3)]
+    (kw,) = rollouts  # one training step (the evaluations go through score_qa)
+    assert {k: kw[k] for k in ("max_turns", "topk", "max_obs_tokens", "max_len", "chat_template", "mask_retrieved")} \
+        == dict(max_turns=2, topk=2, max_obs_tokens=40, max_len=300, chat_template=False, mask_retrieved=False)
+    ro, row = kw["ro"], metrics(tmp_path / "run")[-1]  # the step's means over its trajectories
+    assert row["response_len"] == pytest.approx(float(ro.loss_mask.sum(1).float().mean()))
+    assert (row["searches"], row["turns"]) == (pytest.approx(sum(ro.searches) / len(ro)),
+                                               pytest.approx(sum(ro.turns) / len(ro)))
+
+
+def test_eval_every_evaluates_after_every_nth_step_and_at_the_end(tiny_model, tmp_path):
+    """--eval_every 2 over 3 steps: before step 1 (a fresh run), after step 2, and after the last, 3."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=3, extra=["--eval_every", "2", "--save_every", "0",
+                                                             "--log_trajectories_every", "0"]))
+    assert [r["step"] for r in metrics(out) if "eval/all" in r] == [0, 2, 3]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 2, 3)]
+
+
+def test_epochs_are_fresh_permutations_and_the_seed_sets_the_order():
+    """batch_questions over 10 questions, batches of 5: each epoch (two steps) is every question once; the
+    second epoch is another order than the first; another --seed another order."""
+    qa = list(range(10))
+    epochs = [train.batch_questions(qa, 2 * e, 5, 0) + train.batch_questions(qa, 2 * e + 1, 5, 0) for e in range(3)]
+    assert all(sorted(e) == qa for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    assert [train.batch_questions(qa, s, 5, 1) for s in (0, 1)] != [epochs[0][:5], epochs[0][5:]]
+    assert train.batch_questions(qa, 3, 5, 0) == epochs[1][5:]  # any step is recomputable (exact resume)
+
+
+def test_gamma_and_lam_reach_the_advantages(tiny_model, tmp_path, varied_reward, monkeypatch):
+    """PPO's GAE takes --gamma then --lam, REINFORCE++'s return --gamma, as the flags say (both 1 by default,
+    so a swap or a dropped value showed nowhere)."""
+    from searchlite.advantages import gae, ppo_token_rewards, reinforce_pp_advantages
+    from searchlite.losses import masked_whiten
+
+    real_update = train.update
+    for algo in ("ppo", "reinforce_pp"):
+        seen = []
+
+        def spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, old_values, ret, mem):
+            seen.append(dict(ro=ro, old=old_logp, ref=ref_logp, adv=adv.clone(), values=old_values))
+            return real_update(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt,
+                               old_values, ret, mem)
+
+        monkeypatch.setattr(train, "update", spy)
+        # two steps: a fresh critic's values are all 0, where GAE depends on gamma * lam alone
+        train.main(args(tiny_model, tmp_path / algo, algo, steps=2, extra=[
+            "--gamma", "0.5", "--lam", "0.25", "--kl_coef", "0", "--critic_lr", "1e-2", "--eval_every", "0"]))
+        assert len(seen) == 2
+        for s in seen:
+            mask = s["ro"].loss_mask.float()
+            scores = train.compute_rewards(s["ro"], None)  # the varied_reward stand-in: a hash of the responses
+            kl = torch.zeros_like(mask)
+            if algo == "ppo":
+                want, _ = gae(ppo_token_rewards(scores, kl, mask, 0.0), s["values"], mask, 0.5, 0.25,
+                              whiten=masked_whiten)
+            else:
+                want = reinforce_pp_advantages(scores, kl, mask, 0.0, 0.5)
+            torch.testing.assert_close(s["adv"], want, rtol=0, atol=1e-5)
+        if algo == "ppo":
+            assert float(seen[1]["values"].abs().max()) > 1e-3  # a trained critic: gamma and lam apart
+
+
+def test_r1pp_settings_reach_the_reward_and_em_is_logged_apart(tiny_model, tmp_path, varied_reward, monkeypatch):
+    """--eta, --group_reward, --group_sigma reach reward_terms; the logged em stays exact match (the
+    compute_rewards stand-in), not the r1pp reward trained on."""
+    calls = []
+
+    def terms(ro, questions, protocol, group, eta, group_reward, group_sigma):
+        calls.append((group, eta, group_reward, group_sigma))
+        n = len(ro)
+        return {"format": torch.zeros(n), "answer": torch.full((n,), 0.3), "group": torch.zeros(n)}
+
+    em = []
+    real = train.compute_rewards
+    monkeypatch.setattr(train, "compute_rewards", lambda ro, qs: em.append(real(ro, qs)) or em[-1])
+    monkeypatch.setattr(train, "reward_terms", terms)
+    out = tmp_path / "r1pp"
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=[
+        "--reward", "r1pp", "--eta", "0.7", "--group_reward", "false", "--group_sigma", "correct",
+        "--eval_every", "0"]))
+    assert calls == [(2, 0.7, False, "correct")]
+    row = metrics(out)[-1]
+    assert row["reward"] == pytest.approx(0.3) and row["em"] == pytest.approx(float(em[0].mean()))
+
+
+def test_weight_decay_reaches_both_optimizers(tiny_model, tmp_path, varied_reward, monkeypatch):
+    seen, real = [], train.update
+
+    def spy(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, *rest):
+        seen.append((opt.param_groups[0]["weight_decay"], critic_opt.param_groups[0]["weight_decay"]))
+        return real(cfg, step, policy, opt, ro, old_logp, ref_logp, adv, device, critic, critic_opt, *rest)
+
+    monkeypatch.setattr(train, "update", spy)
+    train.main(args(tiny_model, tmp_path / "ppo", "ppo", steps=1,
+                    extra=["--weight_decay", "0.03", "--eval_every", "0"]))
+    assert seen == [(0.03, 0.03)]
+
+
+def _grpo_update(model, ro, old_logp, ref_logp, adv, *flags):
+    from searchlite.config import parse_args
+
+    cfg = parse_args(["--preset", "none", "--algo", "grpo", "--temperature", "0.7", "--grad_clip", "1e9",
+                      "--micro_batch_size", "8", "--entropy_coef", "0", *flags])
+    opt = Capture(model.parameters())
+    return train.update(cfg, 0, model, opt, ro, old_logp, ref_logp, adv, "cpu")
+
+
+def test_clip_eps_sets_which_ratios_clip(tiny_llama, byte_tokenizer):
+    """The logged clipfrac is the share of policy tokens whose clipped term is the smaller, at --clip_eps."""
+    g = torch.Generator().manual_seed(2)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (6, 4, 7, 5), g, temperature=0.7)
+    old_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)
+    for eps in (0.05, 0.5):
+        want = []
+        for (b, t), logp in _policy_logps(tiny_llama, ro, 0.7).items():
+            r, a = torch.exp(logp - old_logp[b, t]).item(), adv[b, t].item()
+            want.append(min(max(r, 1 - eps), 1 + eps) * a < r * a)
+        stats = _grpo_update(tiny_llama, ro, old_logp, old_logp, adv, "--clip_eps", str(eps), "--kl_coef", "0")
+        assert sum(stats["clipfrac"]) == pytest.approx(sum(want) / len(want), abs=1e-6), eps
+    assert 0 < sum(want) < len(want)
+
+
+def test_kl_kind_sets_the_grpo_kl_estimator(tiny_llama, byte_tokenizer):
+    """--kl_kind k1: the logged (and trained-on) KL is the mean of logp - ref, not k3's."""
+    g = torch.Generator().manual_seed(3)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6), g, temperature=0.7)
+    ref_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=g)
+    d = [float(logp.detach() - ref_logp[b, t]) for (b, t), logp in _policy_logps(tiny_llama, ro, 0.7).items()]
+    k1 = sum(d) / len(d)
+    k3 = sum(torch.exp(torch.tensor(-x)).item() + x - 1 for x in d) / len(d)
+    for kind, want in (("k1", k1), ("k3", k3)):
+        stats = _grpo_update(tiny_llama, ro, old_logp, ref_logp, adv, "--kl_kind", kind, "--kl_coef", "0.1")
+        assert sum(stats["kl"]) == pytest.approx(want, rel=1e-4, abs=1e-6), kind
+
+
+def test_value_clip_eps_bounds_the_critics_move(tiny_llama, byte_tokenizer):
+    """PPO's value loss at --value_clip_eps: 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2). With the
+    rollout's values v = old and returns R = old + 1, the clipped value is old: the loss is 0.5 either
+    way; with old moved by +2 (v - old = -2), clip keeps v within eps of old, hand-computed below."""
+    from conftest import make_tiny_llama
+
+    from searchlite.config import parse_args
+    from searchlite.models import Critic
+
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3), torch.Generator().manual_seed(4))
+    critic = Critic(make_tiny_llama(byte_tokenizer, seed=1).model)
+    values = train.score_tokens(critic, ro, 8, "cpu", values=True)
+    old_values = values + 2.0  # v - old = -2
+    ret = values  # v - R = 0: unclipped error 0; clipped: (old - eps) - R = 2 - eps
+    for eps in (0.5, 1.5):
+        cfg = parse_args(["--preset", "none", "--algo", "ppo", "--value_clip_eps", str(eps), "--kl_coef", "0",
+                          "--micro_batch_size", "8"])
+        stats = train.update(cfg, 0, tiny_llama, Capture(tiny_llama.parameters()), ro, old_logp, old_logp, adv,
+                             "cpu", critic, Capture(critic.parameters()), old_values, ret)
+        assert sum(stats["vf_loss"]) == pytest.approx(0.5 * (2 - eps) ** 2, rel=1e-4), eps
+
+
+def test_resume_refuses_every_setting_the_checkpoint_keeps(tmp_path, monkeypatch):
+    """check_resume against a checkpoint's saved config (stood in for here): --seed (the data order),
+    --warmup_steps and --weight_decay (the restored schedule and optimizer) and, with LoRA, the adapter's
+    rank, alpha and targets may not change on --resume; targets listed in another order are no change."""
+    from searchlite.config import ConfigError, parse_args, to_dict
+
+    base = ["--preset", "none", "--resume", "--out_dir", str(tmp_path / "run"), "--lora_rank", "8",
+            "--lora_targets", "q_proj,v_proj"]
+    saved = to_dict(parse_args(base))
+    monkeypatch.setattr(train, "find_checkpoint", lambda out: tmp_path / "run" / "checkpoint")
+    monkeypatch.setattr(train, "load_trainer_state", lambda ckpt, mmap=False: {"config": saved})
+    assert train.check_resume(parse_args(base + ["--lora_targets", "v_proj, q_proj"])) == []
+    for flag, value in (("seed", "1"), ("warmup_steps", "5"), ("weight_decay", "0.1"), ("lora_rank", "4"),
+                        ("lora_alpha", "16"), ("lora_targets", "q_proj")):
+        with pytest.raises(ConfigError, match=rf"was trained with {flag} = .*, this run has"):
+            train.check_resume(parse_args(base + [f"--{flag}", value]))
+
+
+def test_resume_restores_the_rewriters_sampling_state(tiny_model, tmp_path, monkeypatch):
+    """R1-Searcher++ stage 2: the rewrite model's sampler state (its call count, which seeds each call) comes
+    back from the checkpoint on --resume, as the policy sampler's does; else the rewrites replay call 0's noise."""
+    from test_r1pp import stage2_args
+
+    seen, real = [], train.memorization_batch
+
+    def spy(sampler, *a, **kw):
+        seen.append(sampler.state_dict())
+        return real(sampler, *a, **kw)
+
+    monkeypatch.setattr(train, "memorization_batch", spy)
+    out = tmp_path / "run"
+    train.main(stage2_args(tiny_model, out, ["--steps", "1", "--eval_every", "0"]))
+    assert seen == [{"calls": 0}]
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    assert "rewriter" in state
+    state["rewriter"] = {"calls": 7}  # as a run whose rewriter had sampled 7 times would have saved
+    torch.save(state, out / "checkpoint" / "trainer.pt")
+    seen.clear()
+    train.main(stage2_args(tiny_model, out, ["--steps", "2", "--eval_every", "0", "--resume"]))
+    assert seen == [{"calls": 7}]
+
+
+def test_logged_loss_statistics_are_the_optimizer_steps_means_over_many_micro_batches(tiny_model, tmp_path,
+                                                                                      varied_reward, monkeypatch):
+    """One optimizer step a training step, in 4 micro-batches of 1 row: each logged statistic is the sum of
+    the micro-batches' weighted values (the mini-batch's mean), not that sum over the micro-batch count."""
+    seen, real = [], train.update
+
+    def spy(*a):
+        seen.append(real(*a))
+        return seen[-1]
+
+    monkeypatch.setattr(train, "update", spy)
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--micro_batch_size", "1", "--eval_every", "0"]))
+    (stats,) = seen
+    assert len(stats["entropy"]) == 4 and len(stats["grad_norm"]) == 1
+    row = metrics(out)[-1]
+    for key in ("loss", "kl", "clipfrac", "entropy"):
+        assert row[key] == pytest.approx(sum(stats[key]), rel=1e-6, abs=1e-9), key
+    assert row["entropy"] > 0
+
+
+def test_each_mini_batch_is_averaged_over_its_own_tokens(tiny_llama, byte_tokenizer):
+    """--mini_batch_size 2 over 4 rows: two optimizer steps, rows [0, 1] then [2, 3], each logging the mean
+    entropy of its own policy tokens (the loss is normalised per mini-batch, not over the whole batch).
+    Capture takes no step, so both see the same model, whose entropies are computed here."""
+    from searchlite.config import parse_args
+
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 3, 6, 4), torch.Generator().manual_seed(5))
+    cfg = parse_args(["--preset", "none", "--algo", "grpo", "--kl_coef", "0", "--mini_batch_size", "2",
+                      "--micro_batch_size", "8", "--grad_clip", "1e9"])
+    stats = train.update(cfg, 0, tiny_llama, Capture(tiny_llama.parameters()), ro, old_logp, old_logp, adv, "cpu")
+    assert len(stats["grad_norm"]) == 2
+    logits = tiny_llama(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
+    ent = {(b, t): torch.distributions.Categorical(logits=logits[b, t - 1]).entropy().item()
+           for b, t in ro.loss_mask.nonzero().tolist()}
+    means = [sum(v for (b, _), v in ent.items() if b in rows) / sum(1 for b, _ in ent if b in rows)
+             for rows in ((0, 1), (2, 3))]
+    assert stats["entropy"] == pytest.approx(means, rel=1e-4)
+
+
+def test_mem_coef_scales_the_memorization_gradient(tiny_llama, byte_tokenizer):
+    """--mem_coef mu reaches update's L_M term: with advantages 0 and no KL or entropy, L_M alone has a
+    gradient, mu * grad L_M, so mu = 0.3 gives 3 times mu = 0.1's (the suite tried mu = 0.1 only)."""
+    from test_r1pp import GradRecorder, _batch
+
+    from searchlite.config import parse_args
+
+    mem, ro = _batch(byte_tokenizer, n=3, seed=1), _batch(byte_tokenizer)
+    params = list(tiny_llama.parameters())
+    logp = train.score_tokens(tiny_llama, ro, 2, "cpu")
+
+    def grads(mu):
+        cfg = parse_args(["--preset", "none", "--mem_coef", str(mu), "--kl_coef", "0", "--grad_clip", "1e9",
+                          "--micro_batch_size", "2"])
+        opt = GradRecorder(params)
+        train.update(cfg, 0, tiny_llama, opt, ro, logp, logp, torch.zeros_like(logp), "cpu", mem=mem)
+        (g,) = opt.grads
+        return g
+
+    small, big = grads(0.1), grads(0.3)
+    assert any(float(g.abs().max()) > 1e-4 for g in small)
+    for a, b in zip(small, big):
+        torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-4)
