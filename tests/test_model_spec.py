@@ -1,5 +1,6 @@
 """What --model names (searchlite/model_spec.py), for evaluate.py and the trajectory view alike."""
 
+import argparse
 import html
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from searchlite import model_spec
 from searchlite.config import TOY_DIR
@@ -245,3 +247,54 @@ def test_a_runs_retriever_is_taken_setting_by_setting(tmp_path, capsys):
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**config, "retriever": "http"}))
     assert fill()[0] == "http" and fill()[5] == "http://s:1"
+
+
+def test_the_newer_checkpoint_is_evaluated_when_a_save_left_both(tmp_path):
+    run = tmp_path / "run"
+    for name in ("checkpoint.old", "checkpoint"):
+        (run / name / "policy").mkdir(parents=True)
+        (run / name / "policy" / "config.json").write_text("{}")
+    assert model_spec.resolve_model(str(run)) == ("hf", str(run / "checkpoint" / "policy"))
+
+
+def test_a_folder_of_several_gguf_files_is_no_model(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(model_spec.ModelError, match="is not a model"):
+        model_spec.resolve_model(str(tmp_path))
+    (tmp_path / "b.gguf").unlink()
+    assert model_spec.resolve_model(str(tmp_path)) == ("gguf", str(tmp_path / "a.gguf"))
+
+
+def test_the_weights_digest_reads_the_end_of_a_file_too(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"h" * 64 + b"tail-one")
+    one = model_spec.weights_digest(str(tmp_path), sample=16)
+    weights.write_bytes(b"h" * 64 + b"tail-two")  # same size, same head: a retrained model's last tensor
+    assert model_spec.weights_digest(str(tmp_path), sample=16) != one
+    assert set(one) == {"model.safetensors"}
+
+
+def test_load_model_takes_the_dtype_and_tokenizer_asked(tiny_model, tmp_path):
+    from conftest import make_byte_tokenizer
+
+    byte = make_byte_tokenizer()
+    byte.save_pretrained(tmp_path / "tok")
+    model, tok = model_spec.load_model(tiny_model, str(tmp_path / "tok"), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert len(tok) == len(byte) != model.config.vocab_size and tok.padding_side == "left"  # --tokenizer's
+    model, tok = model_spec.load_model(tiny_model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and len(tok) == model.config.vocab_size
+
+
+def test_a_relative_path_of_a_run_stays_as_typed_where_the_runs_folder_lacks_it(tmp_path):
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"out_dir": "runs/x", "test_data": "data/q.jsonl",
+                                                 "corpus": "data/c.jsonl"}))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "c.jsonl").write_text("")  # only the corpus is where the run was started
+    args = argparse.Namespace(data=None, corpus=None)
+    model_spec.fill_run_settings(args, run / "config.json", {"data": "toy/test.jsonl", "corpus": "toy/corpus.jsonl"})
+    assert args.data == "data/q.jsonl" and args.corpus == str(tmp_path / "data" / "c.jsonl")

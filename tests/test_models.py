@@ -1,0 +1,125 @@
+"""searchlite/models.py: trained_logprobs against a naive whole-row reference, the frozen reference
+and critic copies, gradient checkpointing, the warmup, and what a resume reads back (RNG state,
+the newer checkpoint)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from searchlite.models import (Critic, compute_in, find_checkpoint, frozen_copy, make_optimizer, rng_state,
+                               set_rng_state, trained_logprobs)
+
+IDS = torch.tensor([[5, 9, 12, 7, 3, 40, 41], [4, 4, 8, 2, 6, 70, 1]])  # (2, 7)
+
+
+def _naive(model, ids, attn, mask, temperature):
+    """log p(ids[:, j] | ids[:, :j]) under logits / T where mask[:, j] (j >= 1), from the whole rows."""
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float() / temperature, -1)
+    want = torch.zeros(ids.shape)
+    for b in range(ids.shape[0]):
+        for j in range(1, ids.shape[1]):
+            if mask[b, j]:
+                want[b, j] = full[b, j - 1, ids[b, j]]
+    return want
+
+
+def test_trained_logprobs_are_the_marked_tokens_log_probs_under_the_temperature(byte_tokenizer):
+    model = make_tiny_llama(byte_tokenizer, seed=2).eval()
+    attn = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+    mask = torch.tensor([[0, 0, 0, 1, 1, 0, 1], [1, 0, 1, 0, 0, 1, 1]])  # col 0 marked: it has no log-prob
+    with torch.no_grad():
+        logp, logits, at = trained_logprobs(model, IDS, attn, mask, temperature=0.7)
+    want = _naive(model, IDS, attn, mask, 0.7)
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+    assert (logp != 0).sum() == 6  # every marked column but col 0, and nothing else
+    assert at[0].tolist() == [0, 0, 0, 1, 1, 1] and at[1].tolist() == [3, 4, 6, 2, 5, 6]
+    assert logits.shape == (6, len(byte_tokenizer))
+    torch.testing.assert_close(torch.log_softmax(logits.float() / 0.7, -1)[torch.arange(6), IDS[at]], logp[at],
+                               atol=1e-5, rtol=0)
+
+
+def test_trained_logprobs_of_a_bf16_computing_model_are_float32(byte_tokenizer):
+    """Under autocast the head's logits are bf16; the log-probs (ratios, KL) must not be rounded to bf16."""
+    model = compute_in(make_tiny_llama(byte_tokenizer, seed=2).eval(), "bfloat16")
+    mask = torch.ones_like(IDS)
+    with torch.no_grad():
+        logp, logits, _ = trained_logprobs(model, IDS, torch.ones_like(IDS), mask)
+    assert logits.dtype == torch.bfloat16 and logp.dtype == torch.float32
+    want = torch.log_softmax(logits.float(), -1)[torch.arange(logits.shape[0]), IDS[:, 1:].reshape(-1)]
+    torch.testing.assert_close(logp[:, 1:].reshape(-1), want, atol=1e-6, rtol=0)
+
+
+def test_frozen_copy_is_in_eval_mode_and_held_in_the_dtype_asked(byte_tokenizer):
+    model = make_tiny_llama(byte_tokenizer, seed=2).train()
+    ref = frozen_copy(model)
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+    half = frozen_copy(compute_in(model, "bfloat16"), "bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and half.searchlite_compute_dtype is None
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the policy is left as it was
+
+
+def test_a_new_critic_values_zero_and_a_saved_one_reloads_its_head(byte_tokenizer, tmp_path):
+    backbone = make_tiny_llama(byte_tokenizer, seed=2).model
+    critic = Critic(backbone)
+    attn = torch.ones_like(IDS)
+    with torch.no_grad():
+        assert torch.equal(critic(IDS, attn), torch.zeros(IDS.shape))
+        critic.value_head.weight.normal_()
+        critic.value_head.bias.fill_(0.5)
+        values = critic(IDS, attn)
+    critic.save_pretrained(tmp_path / "critic")
+    again = Critic.from_pretrained(str(tmp_path / "critic"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS, attn), values, atol=1e-6, rtol=0)
+    half = compute_in(Critic(backbone), "bfloat16")
+    assert half(IDS, attn).dtype == torch.float32
+
+
+def test_load_policy_enables_gradient_checkpointing(tiny_model):
+    from searchlite.models import load_policy
+
+    assert load_policy(tiny_model, grad_checkpointing=True).is_gradient_checkpointing
+    assert not load_policy(tiny_model).is_gradient_checkpointing
+
+
+def test_warmup_starts_at_one_step_of_the_ramp(byte_tokenizer):
+    model = make_tiny_llama(byte_tokenizer, seed=2)
+    opt, sched = make_optimizer(model.parameters(), 1e-3, 0.0, 4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
+
+
+def test_rng_state_round_trips():
+    torch.manual_seed(9)
+    state = rng_state()
+    a = (torch.rand(3), random.random(), np.random.rand())
+    set_rng_state(state)
+    b = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_the_newer_checkpoint_is_resumed_when_both_exist(tmp_path):
+    for name in ("checkpoint.old", "checkpoint"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer.pt").write_bytes(b"x")
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"
+
+
+def test_a_frozen_master_weight_copy_stays_frozen_after_it_samples_and_scores(byte_tokenizer):
+    """autocast marks a frozen copy's weights as requiring grad for a no_grad block; they must be
+    frozen again after it (the reference would otherwise build graphs and carry grads)."""
+    from searchlite.sampler import HFSampler
+
+    ref = frozen_copy(compute_in(make_tiny_llama(byte_tokenizer, seed=2), "bfloat16"))
+    HFSampler(ref, byte_tokenizer, max_new_tokens=2).generate([[5, 9, 12]], greedy=True)
+    with torch.no_grad():
+        trained_logprobs(ref, IDS, torch.ones_like(IDS), torch.ones_like(IDS))
+    assert not any(p.requires_grad for p in ref.parameters())
