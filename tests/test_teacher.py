@@ -89,7 +89,7 @@ def test_questions_without_hops_are_refused_with_the_way_out():
 
 
 def test_a_later_comparison_picks_the_later_year():
-    """Bo Sel 1801, Ri Tam 1799: born first is Ri Tam (the existing test), born later is Bo Sel."""
+    """Bo Sel 1801, Ri Tam 1799: born first is Ri Tam (above), born later is Bo Sel."""
     q = QA("6", "Who was born later, Bo Sel or Ri Tam?", ["Bo Sel"],
            {"type": "comparison", "hops": [hop("Bo Sel", "1801", False), hop("Ri Tam", "1799", False)]})
     response, n = play(Teacher(TOK, PP, [q], seed=0, **EXACT), q.question)

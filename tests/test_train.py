@@ -1113,7 +1113,7 @@ def test_epochs_are_fresh_permutations_and_the_seed_sets_the_order():
 
 def test_gamma_and_lam_reach_the_advantages(tiny_model, tmp_path, varied_reward, monkeypatch):
     """PPO's GAE takes --gamma then --lam, REINFORCE++'s return --gamma, as the flags say (both 1 by default,
-    so a swap or a dropped value showed nowhere)."""
+    so a swap or a dropped value would not show at the defaults)."""
     from searchlite.advantages import gae, ppo_token_rewards, reinforce_pp_advantages
     from searchlite.losses import masked_whiten
 
@@ -1324,7 +1324,7 @@ def test_each_mini_batch_is_averaged_over_its_own_tokens(tiny_llama, byte_tokeni
 
 def test_mem_coef_scales_the_memorization_gradient(tiny_llama, byte_tokenizer):
     """--mem_coef mu reaches update's L_M term: with advantages 0 and no KL or entropy, L_M alone has a
-    gradient, mu * grad L_M, so mu = 0.3 gives 3 times mu = 0.1's (the suite tried mu = 0.1 only)."""
+    gradient, mu * grad L_M, so mu = 0.3 gives 3 times mu = 0.1's."""
     from test_r1pp import GradRecorder, _batch
 
     from searchlite.config import parse_args
