@@ -255,3 +255,33 @@ def test_another_build_does_not_overwrite_the_shipped_world(capsys):
         named = ", ".join(" ".join(pair) for pair in zip(named.split()[::2], named.split()[1::2]))
         assert f"error: {named} would" in err and err.rstrip().endswith("give --out a folder of its own")
     assert {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()} == before
+
+
+def test_comparison_gold_follows_the_words_first_earlier_later(world):
+    """The gold is worked out from the question's words ("later": the larger year), not from COMPARISONS,
+    which a wrong max / min there would change with it; the question names its hops in order."""
+    seen = set()
+    for q in world.train + world.test:
+        if q["type"] != "comparison":
+            continue
+        (a, ya), (b, yb) = ((h["query"], int(h["answer"])) for h in q["hops"])
+        text = q["question"]
+        assert text.index(a) < text.index(b)  # "..., A or B?" in hop order
+        word = "later" if " later, " in text else "first" if (" first, " in text or " earlier, " in text) else None
+        assert word, text
+        want = (a if ya > yb else b) if word == "later" else (a if ya < yb else b)
+        assert q["golden_answers"] == [want], q
+        seen.add((word, "born" if " born " in text else "founded"))
+    assert seen == {("later", "born"), ("first", "born"), ("later", "founded"), ("first", "founded")}
+
+
+def test_a_company_is_founded_after_its_founder_is_born(world):
+    people = {e["name"]: e for e in world.entities if e["kind"] == "person"}
+    orgs = [e for e in world.entities if e["kind"] == "org"]
+    assert orgs and all(o["founded_year"] >= people[o["founded_by"]]["birth_year"] + 20 for o in orgs)
+
+
+def test_no_question_text_is_asked_twice_in_a_split(world):
+    for rows in (world.train, world.test):
+        texts = [q["question"] for q in rows]
+        assert len(set(texts)) == len(texts)

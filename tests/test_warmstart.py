@@ -2,12 +2,14 @@
 by Ctrl-C and resumed writes the bytes of one never stopped."""
 
 import hashlib
+import shutil
 
 import pytest
 import torch
 
 from searchlite.config import TOY_DIR, resolve_path
 from searchlite.data import read_qa
+from searchlite.models import load_tokenizer
 from searchlite.protocol import get_protocol
 from searchlite.retrieval import build_retriever
 from searchlite.rollout import rollout
@@ -89,3 +91,111 @@ def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp
     with pytest.raises(SystemExit):
         warmstart.main(["--out", str(tmp_path), *small, "--epochs", "0"])
     assert "--read_passes 0 and --epochs 0 leave nothing to train on" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def toy():
+    tok = load_tokenizer("toy/")
+    qa = read_qa(resolve_path("toy/train.jsonl"))
+    retriever = build_retriever("bm25", resolve_path("toy/corpus.jsonl"))
+    return tok, qa, retriever
+
+
+def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
+    from searchlite.warmstart import CAREFUL, teacher_data
+
+    tok, qa, retriever = toy
+    plain = [q for q in qa if not q.meta["famous"] and q.meta["type"] == "1hop"][:4]
+    ids, loss, att = teacher_data(tok, plain, retriever, [0], famous_repeats=0, teacher=CAREFUL)
+    assert ids.shape == loss.shape == att.shape and len(ids) == 4
+    for i in range(len(ids)):
+        n = int(att[i].sum())
+        assert att[i, :n].all() and not att[i, n:].any()  # right-padded
+        assert not loss[i, n:].any() and (ids[i, n:] == tok.pad_token_id).all()
+        text = tok.decode(ids[i, :n], skip_special_tokens=False)
+        trained = tok.decode(ids[i][loss[i] == 1], skip_special_tokens=False)
+        untrained = tok.decode(ids[i, :n][loss[i, :n] == 0], skip_special_tokens=False)
+        assert plain[i].question in text and plain[i].question not in trained  # the prompt is not trained on
+        doc_title = plain[i].meta["hops"][0]["query"]
+        assert "<information>" in text and "<information>" not in trained  # passages are not trained on
+        assert "<search>" in trained and "<answer>" in trained  # the teacher's own turns are
+        assert text.count(doc_title) > trained.count(doc_title)
+        assert 0 < int(loss[i].sum()) < n
+        # the row ends with the careful teacher's closed answer, trained on to its last token
+        assert text.endswith(f"<answer> {plain[i].answers[0]} </answer>") and loss[i, n - 1] == 1
+
+
+def test_teacher_data_repeats_famous_questions_and_draws_each_seed_afresh(toy):
+    from searchlite.warmstart import teacher_data
+
+    tok, qa, retriever = toy
+    few = qa[:12]
+    k = sum(bool(q.meta["famous"]) for q in few)
+    assert 0 < k < 12
+    ids0, _, _ = teacher_data(tok, few, retriever, [0], famous_repeats=2)
+    assert len(ids0) == 12 + 2 * k
+    ids01, _, _ = teacher_data(tok, few, retriever, [0, 1], famous_repeats=2)
+    assert len(ids01) == 2 * (12 + 2 * k)
+    first, second = ids01[:12 + 2 * k], ids01[12 + 2 * k:]
+    w = ids0.shape[1]
+    assert torch.equal(first[:, :w], ids0) and not first[:, w:].ne(tok.pad_token_id).any()
+    assert not torch.equal(first, second)  # another seed, other draws of the teacher's choices
+
+
+def _fake_build(monkeypatch, tmp_path, flags):
+    """Run warmstart.main with the world copied from the shipped one, teacher_data and sft recorded."""
+    from searchlite import sft, toyworld, warmstart
+
+    def world(argv):
+        out = argv[argv.index("--out") + 1]
+        shutil.copytree(TOY_DIR, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model"))
+
+    calls = {"data": [], "sft": []}
+
+    def data(tokenizer, qa, retriever, seeds, famous_repeats, teacher=None, **kw):
+        calls["data"].append(dict(n=len(qa), seeds=list(seeds), famous_repeats=famous_repeats, teacher=teacher))
+        return (torch.ones((2, 3), dtype=torch.long),) * 3
+
+    def fit(model, input_ids, loss_mask, **kw):
+        calls["sft"].append(kw)
+        return [1.0]
+
+    monkeypatch.setattr(toyworld, "main", world)
+    monkeypatch.setattr(warmstart, "teacher_data", data)
+    monkeypatch.setattr(sft, "sft", fit)
+    warmstart.main(["--out", str(tmp_path), "--threads", "1", *flags])
+    return calls
+
+
+def test_build_runs_a_careful_then_an_imperfect_phase_on_fresh_seeds(monkeypatch, tmp_path, torch_settings):
+    from searchlite.warmstart import CAREFUL
+
+    calls = _fake_build(monkeypatch, tmp_path / "a", ["--seed", "7", "--read_passes", "2", "--epochs", "3",
+                                                      "--questions", "5", "--famous_repeats", "2"])
+    careful, imperfect = calls["data"]
+    assert careful["teacher"] == CAREFUL and imperfect["teacher"] is None
+    assert len(careful["seeds"]) == 2 and len(imperfect["seeds"]) == 3
+    assert len(set(careful["seeds"] + imperfect["seeds"])) == 5  # each pass draws afresh
+    assert careful["n"] == imperfect["n"] == 5 and careful["famous_repeats"] == 2
+    assert [c["epochs"] for c in calls["sft"]] == [1, 1]  # the passes are in the rows, one epoch over them
+    assert [c["lr"] for c in calls["sft"]] == [3e-3, 3e-3] and [c["batch_size"] for c in calls["sft"]] == [4, 4]
+    assert calls["sft"][0]["seed"] != calls["sft"][1]["seed"]
+    other = _fake_build(monkeypatch, tmp_path / "b", ["--seed", "8", "--read_passes", "2", "--epochs", "3",
+                                                     "--questions", "5"])
+    seeds = lambda c: {s for d in c["data"] for s in d["seeds"]}  # noqa: E731
+    assert not seeds(calls) & seeds(other)  # --seed reaches the teacher
+    assert {c["seed"] for c in calls["sft"]} != {c["seed"] for c in other["sft"]}
+
+
+def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monkeypatch, tmp_path, torch_settings):
+    from transformers import AutoModelForCausalLM
+
+    from searchlite.warmstart import make_model
+
+    calls = _fake_build(monkeypatch, tmp_path, ["--seed", "3", "--read_passes", "1", "--epochs", "0"])
+    assert [d["n"] for d in calls["data"]] == [len(read_qa(TOY_DIR / "train.jsonl"))]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    init = make_model(load_tokenizer(str(tmp_path)), 3).state_dict()
+    other = make_model(load_tokenizer(str(tmp_path)), 4).state_dict()
+    assert all(torch.equal(saved[k], init[k]) for k in saved)  # sft recorded, not run: the init is saved
+    assert not all(torch.equal(init[k], other[k]) for k in init)
