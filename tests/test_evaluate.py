@@ -15,8 +15,8 @@ from test_rollout import FakeRetriever
 
 import evaluate
 from searchlite.data import QA, DataError
-from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, question_type,
-                                   run_batch, summarize, table)
+from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, make_record,
+                                   question_type, run_batch, summarize, table)
 from searchlite.judge import Judge, JudgeError, no_verdict, refused, verdict
 from searchlite.protocol import get_protocol
 
@@ -307,10 +307,6 @@ def test_a_record_scores_against_every_gold_and_counts_each_search(byte_tokenize
     retrievals of a question are counted (rag: 1; direct and cot: 0; search: as made)."""
     from test_rollout import SCRIPTS, ScriptedSampler
 
-    from searchlite.data import QA
-    from searchlite.evaluation import RecordLog, evaluate_set, make_record, run_batch
-    from searchlite.protocol import get_protocol
-
     q = QA("1", "Which city?", ["Paris", "City of Light"])
     r = make_record(q, "search", "the City of Light", "...", 2, [])
     assert (r["em"], r["f1"], r["cover_em"], r["searches"]) == (1.0, 1.0, 1.0, 2)
@@ -324,15 +320,14 @@ def test_a_record_scores_against_every_gold_and_counts_each_search(byte_tokenize
             return [byte_tokenizer.encode("So the answer is Paris.\n<answer> Paris </answer>",
                                           add_special_tokens=False) for _ in prompts]
 
-    protocol = get_protocol("search_r1")
     for method, searched, cap in (("direct", 0, 7), ("cot", 0, None), ("rag", 1, 7)):  # cot: the sampler's own cap
         sampler = Fixed()
-        [rec] = run_batch(method, [q], sampler, FakeRetriever(), byte_tokenizer, protocol, chat_template=False,
+        [rec] = run_batch(method, [q], sampler, FakeRetriever(), byte_tokenizer, P, chat_template=False,
                           answer_tokens=7, greedy=False)
         assert rec["searches"] == searched and sampler.asked[-1] == (cap, False), method
     qs = [QA(n, n, ["x"]) for n in ("q-budget", "q-search")]
     recs = run_batch("search", qs, ScriptedSampler(byte_tokenizer, SCRIPTS), FakeRetriever(), byte_tokenizer,
-                     protocol, chat_template=False, max_turns=2)
+                     P, chat_template=False, max_turns=2)
     assert [r["searches"] for r in recs] == [2, 1]
     log = RecordLog(tmp_path / "records.jsonl")  # a set asked again with --limit: only the questions asked
     run = lambda chunk: [make_record(c, "direct", "x", "", 0, []) for c in chunk]  # noqa: E731

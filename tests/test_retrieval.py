@@ -14,8 +14,9 @@ import pytest
 from conftest import JSONHandler, save_bag_of_words_bert
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
-from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, build_retriever,
-                                  config_retriever, default_prefixes, load_index)
+from searchlite.indexing import build_dense_folder
+from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, Hit, Retriever, TextEncoder,
+                                  build_retriever, config_retriever, default_prefixes, load_index)
 
 CORPUS = [
     Passage("v0", "Volcano", "A volcano is a rupture in the crust where lava, ash and hot gases escape from a magma chamber below the surface."),
@@ -289,9 +290,6 @@ def test_a_saved_folder_restores_its_query_prefix_pooling_and_max_length(encoder
 def test_a_sharded_build_keeps_vector_i_for_passage_i_and_its_prefixes(encoder_dir, tmp_path):
     """Shards are added in corpus order, each passage encoded with the passage prefix given, and
     the folder keeps the query prefix given (the encoder's name selects none of its own)."""
-    from searchlite.indexing import build_dense_folder
-    from searchlite.retrieval import TextEncoder
-
     enc = str(encoder_dir / "tiny-bert")
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     for prefix in ("", "passage: "):
@@ -309,8 +307,6 @@ def test_a_sharded_build_keeps_vector_i_for_passage_i_and_its_prefixes(encoder_d
                                             ({"max_length": 16}, "max_length")])
 def test_kept_shards_of_another_passage_prefix_or_max_length_are_refused(encoder_dir, tmp_path, changed, field):
     """Shards encoded one way would be joined with shards encoded another, under one dense.json."""
-    from searchlite.indexing import build_dense_folder
-
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     kw = dict(max_length=48, keep_shards=True, progress=False)
     build_dense_folder(tmp_path / "c.jsonl", tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw)
@@ -322,8 +318,6 @@ def test_an_encoder_without_a_pad_token_pads_with_its_unk_token(encoder_dir, tmp
     """Decoder-style encoders ship without a pad token: a batch must still pad, and the mask keep
     the padding out of the mean."""
     import shutil
-
-    from searchlite.retrieval import TextEncoder
 
     path = tmp_path / "no-pad"
     shutil.copytree(encoder_dir / "tiny-bert", path)

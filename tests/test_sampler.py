@@ -12,6 +12,11 @@ from searchlite.sampler import HFSampler
 ASCII = list(range(ord("a"), ord("z") + 1))  # byte tokens of the byte tokenizer are ids of ByteLevel's alphabet
 
 
+def long_and_short(tok) -> list[list[int]]:
+    """A long prompt and a one-token one: in a batch the short row is padded on the left."""
+    return [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
+
+
 def _letters_only(model, tok):
     """Suppress every id but the lower-case letters: decoded text is plain, stop strings are exact."""
     letters = {tok.convert_tokens_to_ids(chr(c)) for c in ASCII}
@@ -22,7 +27,7 @@ def _letters_only(model, tok):
 def test_suppress_tokens_of_the_checkpoint_are_never_sampled(byte_tokenizer):
     tok = byte_tokenizer
     model = make_tiny_llama(tok, seed=5)
-    prompts = [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
+    prompts = long_and_short(tok)
     free = HFSampler(model, tok, max_new_tokens=12, seed=1).generate(prompts)
     letters = _letters_only(model, tok)
     assert not all(t in letters for o in free for t in o)  # else the check below proves nothing
@@ -35,7 +40,7 @@ def test_a_stop_string_in_the_sampled_text_ends_the_row_on_the_token_that_comple
     tok = byte_tokenizer
     model = make_tiny_llama(tok, seed=5)
     _letters_only(model, tok)
-    prompts = [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
+    prompts = long_and_short(tok)
     sampler = HFSampler(model, tok, max_new_tokens=12)
     free = sampler.generate(prompts, greedy=True)
     assert [len(o) for o in free] == [12, 12]
@@ -59,7 +64,7 @@ def test_a_row_that_samples_eos_ends_there_while_its_batch_goes_on(pad_is_eos):
     with a tokenizer that has no pad token of its own (load_tokenizer pads with EOS)."""
     tok = make_byte_tokenizer()
     model = make_tiny_llama(tok, seed=5)
-    prompts = [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
+    prompts = long_and_short(tok)
     free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts)
     assert [len(o) for o in free] == [12, 12]
     end = next(i for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
@@ -74,7 +79,7 @@ def test_a_row_that_samples_eos_ends_there_while_its_batch_goes_on(pad_is_eos):
 def test_a_tiny_temperature_or_top_p_samples_the_greedy_tokens(byte_tokenizer):
     tok = byte_tokenizer
     model = make_tiny_llama(tok, seed=5)
-    prompts = [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
+    prompts = long_and_short(tok)
     greedy = HFSampler(model, tok, max_new_tokens=10).generate(prompts, greedy=True)
     assert HFSampler(model, tok, max_new_tokens=10, seed=1).generate(prompts) != greedy  # sampling differs at T=1
     assert HFSampler(model, tok, max_new_tokens=10, seed=1, temperature=1e-4).generate(prompts) == greedy
