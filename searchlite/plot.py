@@ -99,6 +99,7 @@ def plot(runs: list[str], out: str) -> Path:
                       fontsize=8)  # every run, also one the first panel lacks
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)  # a caller plotting again and again keeps no figure open
     return Path(out)
 
 

@@ -60,10 +60,11 @@ def render(ro, tokenizer, rewards, golds, title: str = "rollouts", limit: int = 
             f"<span class='{'policy' if m else 'other'}'>"
             f"{html.escape(tokenizer.decode(seg, skip_special_tokens=False))}</span>"
             for m, seg in segments(ids[p:], mask[p:]))
-        r = rewards[i]
+        r, a = rewards[i], ro.answers[i]
+        answer = "<i>none</i>" if a is None else f"<b>{html.escape(a)}</b>"  # not the word "None" answered
         parts.append(
             f"<div class='traj'><div class='head'>#{i} &nbsp; reward <span class='{'ok' if r > 0 else 'bad'}'>"
-            f"{r:g}</span> &nbsp; answer <b>{html.escape(str(ro.answers[i]))}</b> &nbsp; gold "
+            f"{r:g}</span> &nbsp; answer {answer} &nbsp; gold "
             f"{html.escape(' | '.join(golds[i]))} &nbsp; searches {int(ro.searches[i])} &nbsp; turns "
             f"{int(ro.turns[i])}</div><details><summary>prompt ({p} tokens)</summary><pre>{html.escape(prompt)}"
             f"</pre></details><pre>{body}</pre></div>")

@@ -5,10 +5,14 @@ import math
 import re
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from searchlite.toytokenizer import EOS, PAD, TAGS, build_tokenizer, format_result, read_templates, world_texts
+from searchlite.data import Passage
+from searchlite.protocol import get_protocol
+from searchlite.toytokenizer import (EOS, PAD, TAGS, TEMPLATE_DIR, build_tokenizer, format_result, length_report,
+                                     read_templates, world_texts)
 from searchlite.toyworld import COMPARISONS, MIX, _one_off, build_world, main, write_world
 
 ASSETS = Path(__file__).resolve().parents[1] / "searchlite" / "assets" / "toyworld"
@@ -285,3 +289,40 @@ def test_no_question_text_is_asked_twice_in_a_split(world):
     for rows in (world.train, world.test):
         texts = [q["question"] for q in rows]
         assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("name", ["search_r1", "r1_searcher_pp"])
+def test_a_result_block_is_the_one_the_rollout_appends(byte_tokenizer, name):
+    """format_result writes a search result exactly as a protocol's observation shows it (tags,
+    newlines and 'Doc i(Title: t) text' lines), so the tokenizer is fitted on what the model reads."""
+    protocol = get_protocol(name)
+    hits = [Passage("7", "Paris", "Capital of France."), Passage("9", "Lyon", "A city.")]
+    shown = byte_tokenizer.decode(protocol.observation_ids(byte_tokenizer, hits, 10_000), skip_special_tokens=False)
+    docs = [(h.title, h.text) for h in hits]
+    assert format_result(docs, protocol.info_open, protocol.info_close) == shown
+    if name == "search_r1":
+        assert format_result(docs) == shown
+    assert format_result(docs).startswith("\n<information>Doc 1(Title: Paris) Capital of France.\nDoc 2(Title: Lyon)")
+
+
+class CharTokenizer:
+    """One token a character; like a Hugging Face tokenizer, it adds a BOS unless told not to."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[0] * add_special_tokens + [ord(c) for c in t] for t in texts]}
+
+
+def test_length_report_gives_mean_and_max_over_every_text():
+    """Mean (one decimal) and max token lengths, over all passages, every train and test question,
+    the Search-R1 prompt of each, and a block of three passages."""
+    passages = [{"title": "A", "text": "xx"}, {"title": "CCCC", "text": "xx"}, {"title": "BB", "text": "xx"}]
+    world = SimpleNamespace(passages=passages, train=[{"question": "ab?"}], test=[{"question": "abcd?"},
+                                                                               {"question": "x?"}])
+    # a passage line 'Doc 1(Title: t) x\n' is 16 characters besides t and x: 19, 22, 20
+    # the three-passage block adds '\n<information>' (14) and '</information>\n' (15) to 61: 90
+    prompt = len((TEMPLATE_DIR / "search_r1.txt").read_text(encoding="utf-8")) - len("{question}")
+    assert length_report(CharTokenizer(), world).split("\n") == [
+        "passage 'Doc i(Title: t) text': mean 20.3, max 22 tokens (n=3)",
+        "question: mean 3.3, max 5 tokens (n=3)",
+        f"search_r1 prompt: mean {prompt + 10 / 3:.1f}, max {prompt + 5} tokens (n=3)",
+        "3-passage <information> block: mean 90.0, max 90 tokens (n=1000)"]

@@ -4,12 +4,13 @@ import html
 import re
 
 import pytest
+import torch
 from conftest import run_under_ascii_locale
 from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
 
 from searchlite.protocol import get_protocol
-from searchlite.rollout import rollout
-from searchlite.view import render, segments, write_html
+from searchlite.rollout import Rollout, rollout
+from searchlite.view import STYLE, render, segments, write_html
 
 
 def test_segments():
@@ -300,3 +301,142 @@ write_html(sys.argv[1], Ro(), Tok(), [1.0], [["Z\u00fcrich"]])
     page = (tmp_path / "p.html").read_bytes().decode("utf-8")
     assert "<meta charset='utf-8'>" in page
     assert "answer <b>Zürich</b>" in page and "gold Zürich" in page and "rich — 東京</span>" in page
+
+
+def make_rollout(tok, rows):
+    """A right-padded Rollout from rows of (prompt, [(loss_mask, text), ...], answer, searches, turns)."""
+    seqs, masks, plens = [], [], []
+    for prompt, pieces, *_ in rows:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        mask = [0] * len(ids)
+        plens.append(len(ids))
+        for m, text in pieces:
+            piece = tok.encode(text, add_special_tokens=False)
+            ids, mask = ids + piece, mask + [m] * len(piece)
+        seqs.append(ids)
+        masks.append(mask)
+    width = max(map(len, seqs))
+    pad = lambda xs, v: xs + [v] * (width - len(xs))  # noqa: E731
+    return Rollout(input_ids=torch.tensor([pad(s, tok.pad_token_id) for s in seqs]),
+                   attention_mask=torch.tensor([pad([1] * len(s), 0) for s in seqs]),
+                   loss_mask=torch.tensor([pad(m, 0) for m in masks]),
+                   prompt_len=torch.tensor(plens),
+                   searches=torch.tensor([r[3] for r in rows]), turns=torch.tensor([r[4] for r in rows]),
+                   answered=torch.tensor([r[2] is not None for r in rows]), answers=[r[2] for r in rows],
+                   responses=["".join(t for _, t in r[1]) for r in rows])
+
+
+ROWS = [("Q: capital of France?\n", [(1, "<search> france </search>"), (0, "\n<information>Doc 1</information>\n"),
+                                     (1, "<answer> Paris </answer>")], "Paris", 1, 2),
+        ("Q: 2+2?\n", [(1, "<answer> 4 </answer>")], "4", 0, 1),
+        ("Q: who?\n", [(1, "I do not know")], None, 0, 3)]
+
+
+class NoRollouts:
+    """A rollout of no trajectories: the page is its title and legend."""
+
+    def __len__(self):
+        return 0
+
+
+def heads(page: str) -> list[str]:
+    return re.findall(r"<div class='head'>(.*?)</div>", page, re.S)
+
+
+def test_the_head_shows_each_trajectorys_fields_in_order(byte_tokenizer):
+    """Each head: its index, reward, answer, every gold answer joined by ' | ', searches, turns,
+    and the prompt's length in tokens (the byte tokenizer: one token a character)."""
+    ro = make_rollout(byte_tokenizer, ROWS[:2])
+    page = render(ro, byte_tokenizer, [1.0, 0.0], [["Paris", "City of Paris"], ["4", "four"]])
+    assert heads(page) == [
+        "#0 &nbsp; reward <span class='ok'>1</span> &nbsp; answer <b>Paris</b> &nbsp; gold Paris | City of Paris"
+        " &nbsp; searches 1 &nbsp; turns 2",
+        "#1 &nbsp; reward <span class='bad'>0</span> &nbsp; answer <b>4</b> &nbsp; gold 4 | four"
+        " &nbsp; searches 0 &nbsp; turns 1"]
+    assert re.findall(r"<summary>prompt \((\d+) tokens\)</summary>", page) == ["22", "8"]
+    # no answer is told apart from a model that answered the word "None"
+    rows = [ROWS[2], ("Q: who?\n", [(1, "<answer> None </answer>")], "None", 0, 1)]
+    page = render(make_rollout(byte_tokenizer, rows), byte_tokenizer, [0.0, 0.0], [["Bob"], ["Bob"]])
+    assert [h.split(" &nbsp; ")[2] for h in heads(page)] == ["answer <i>none</i>", "answer <b>None</b>"]
+
+
+def test_a_fractional_reward_is_shown_as_it_is_and_positive_is_success(byte_tokenizer):
+    """An r1pp run's reward adds fractional group terms: 0.25 and 1.5 are successes, -0.5 is not,
+    and each is written as its value, not rounded."""
+    ro = make_rollout(byte_tokenizer, ROWS)
+    page = render(ro, byte_tokenizer, [0.25, 1.5, -0.5], [["Paris"], ["4"], ["Bob"]])
+    got = [re.search(r"reward <span class='(\w+)'>(.*?)</span>", h).groups() for h in heads(page)]
+    assert got == [("ok", "0.25"), ("ok", "1.5"), ("bad", "-0.5")]
+
+
+def test_limit_caps_the_trajectories_shown(byte_tokenizer):
+    """limit n shows the first n trajectories; a limit at or above their number shows them all."""
+    ro = make_rollout(byte_tokenizer, ROWS)
+    golds = [["Paris"], ["4"], ["Bob"]]
+    for limit, want in ((0, 3), (1, 1), (2, 2), (3, 3), (8, 3)):
+        page = render(ro, byte_tokenizer, [1.0, 1.0, 0.0], golds, limit=limit)
+        assert [h.split(" ")[0] for h in heads(page)] == [f"#{i}" for i in range(want)], limit
+
+
+def test_special_tokens_in_the_prompt_and_response_are_shown(byte_tokenizer):
+    """The EOS that ends a response, and special tokens in a (chat-templated) prompt, are shown."""
+    rows = [("<|endoftext|>Q: hi\n", [(1, "<answer> x </answer><|endoftext|>")], "x", 0, 1)]
+    page = render(make_rollout(byte_tokenizer, rows), byte_tokenizer, [0.0], [["y"]])
+    prompt = re.search(r"</summary><pre>(.*?)</pre>", page, re.S).group(1)
+    assert html.unescape(prompt) == "<|endoftext|>Q: hi\n"
+    spans = re.findall(r"<span class='policy'>(.*?)</span>", page.split("</details>")[1], re.S)
+    assert [html.unescape(s) for s in spans] == ["<answer> x </answer><|endoftext|>"]
+
+
+def test_gold_answers_and_title_are_escaped(byte_tokenizer):
+    """Gold answers and the page title are text, never markup."""
+    ro = make_rollout(byte_tokenizer, ROWS[1:2])
+    page = render(ro, byte_tokenizer, [1.0], [["<i>4</i>", "a & b"]], title="run <x> & y")
+    assert "gold &lt;i&gt;4&lt;/i&gt; | a &amp; b &nbsp;" in page
+    assert "<title>run &lt;x&gt; &amp; y</title>" in page and "<h2>run &lt;x&gt; &amp; y</h2>" in page
+    assert "<i>" not in page and "<x>" not in page
+
+
+def test_write_html_makes_missing_folders_and_keeps_title_and_limit(byte_tokenizer, tmp_path):
+    """train.py writes its pages with a title and limit 8 into folders that may not exist yet."""
+    ro = make_rollout(byte_tokenizer, ROWS)
+    args = (ro, byte_tokenizer, [1.0, 1.0, 0.0], [["Paris"], ["4"], ["Bob"]])
+    path = write_html(tmp_path / "a" / "b" / "v.html", *args, title="step 3", limit=2)
+    page = path.read_text(encoding="utf-8")
+    assert page == render(*args, title="step 3", limit=2)
+    assert page.count("<div class='traj'>") == 2 and "<h2>step 3</h2>" in page
+
+
+def test_trained_and_untrained_tokens_have_different_colours_and_the_legend_matches():
+    """The two classes are drawn in different backgrounds, and the legend labels each class by
+    its own meaning: 'policy' is in the loss (loss_mask 1), 'other' is not (loss_mask 0)."""
+    backgrounds = dict(re.findall(r"\.(policy|other) \{ background: (#[0-9a-f]{6});", STYLE))
+    assert set(backgrounds) == {"policy", "other"} and backgrounds["policy"] != backgrounds["other"]
+    legend = render(NoRollouts(), None, [], [], title="t").split("<p class='legend'>")[1].split("</p>")[0]
+    assert re.findall(r"<span class='(\w+)'>(.*?) \(", legend) == [("policy", "in the loss"),
+                                                                    ("other", "not in the loss")]
+
+
+def test_the_command_stops_a_turn_at_a_new_question_and_samples_with_its_seed(tmp_path, monkeypatch):
+    """As evaluate.py does, a turn stops where the model starts a "Question:" of its own (the
+    protocol's stops and "\\nQuestion:"); --seed reaches the sampler."""
+    import searchlite.rollout
+    import searchlite.sampler
+    from searchlite.protocol import get_protocol
+    from searchlite.view import main
+
+    stops, seeds = [], []
+    real_rollout, real_init = searchlite.rollout.rollout, searchlite.sampler.HFSampler.__init__
+
+    def rollout(sampler, retriever, tok, protocol, *a, **kw):
+        stops.append(protocol.stop)
+        return real_rollout(sampler, retriever, tok, protocol, *a, **kw)
+
+    def init(self, *a, **kw):
+        seeds.append(kw["seed"])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(searchlite.rollout, "rollout", rollout)
+    monkeypatch.setattr(searchlite.sampler.HFSampler, "__init__", init)
+    main(["--n", "1", "--max_turns", "0", "--max_new_tokens", "2", "--seed", "7", "--out", str(tmp_path / "v.html")])
+    assert stops == [get_protocol("search_r1", "toy").stop + ("\nQuestion:",)] and seeds == [7]
