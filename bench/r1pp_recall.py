@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.r1pp_table import from_memory, hop_kind, searches_needed  # noqa: E402
-from searchlite.config import bool_arg, resolve_path  # noqa: E402
+from searchlite.config import at_least, bool_arg, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 
 
@@ -207,12 +207,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", required=True,
                     help="train.py out_dirs (with config.json and a checkpoint; each at the same step)")
-    ap.add_argument("--limit", type=int, default=0, help="at most this many questions a set (0 = all drawn)")
+    ap.add_argument("--limit", type=at_least(0), default=0, help="at most this many questions a set (0 = all drawn)")
     ap.add_argument("--start", type=bool_arg, default=True,
                     help="also answer with the first run's starting model: true or false (default true)")
     ap.add_argument("--sft_epochs", default="", help="comma-separated cumulative epochs of SFT on perfect "
                     "internal-only answers to the drawn questions, from the starting model (a ceiling; '' = none)")
     args = ap.parse_args()
+    try:
+        epochs = sorted({at_least(0)(e) for e in args.sft_epochs.split(",")}) if args.sft_epochs else []
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        ap.error(f"--sft_epochs {args.sft_epochs!r}: each must be a whole number of epochs, 0 or more ({e})")
 
     runs = load_runs(args.runs)
     first = runs[args.runs[0]][0]
@@ -227,9 +231,8 @@ def main() -> None:
     for name, path, cfg in models:
         got = {k: recall(v) for k, v in answer(path, sets, cfg).items()}
         print(f"| {name} | {cells(got)} |", flush=True)
-    if not args.sft_epochs:
+    if not epochs:
         return
-    epochs = sorted({int(e) for e in args.sft_epochs.split(",")})
     test_qa = read_qa(resolve_path(first["test_data"]))
     tests = []
     for e, got, summary, split, nll in ceiling(first, sets, test_qa, epochs):

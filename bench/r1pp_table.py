@@ -3,10 +3,10 @@
     python bench/r1pp_table.py                     # runs/r1pp-{full,nogroup,nomem,neither,baseline}
     python bench/r1pp_table.py --runs A B ...      # any train.py out_dirs
 
-For each run: the held-out test EM and retrieval calls per question (RC) at its first and last
-evaluation (the first is the model the run starts from: stage 1's, or the warm start's for
-`r1pp-searchonly`; `step` says how far a run got), by question type, and the rewrites L_M kept
-over the run. From each run's eval/ records: which hops it answered without their passage,
+For each run: the held-out test EM and retrieval calls per question (RC) at its last evaluation
+(`step` says how far a run got), by question type, and the rewrites L_M kept over the run; for
+the first run, its first evaluation too (the model it starts from: stage 1's for the ablation
+script's runs, which all start there). From each run's eval/ records: which hops it answered without their passage,
 split by what it could know (`hop_sources`), and the EM of questions answered with no search against those searched (`recall_vs_search`).
 Then, from the test questions alone, the fewest retrievals a policy could make and still answer
 every question: one per hop (one for both of a comparison's, which one search for the question
@@ -162,12 +162,12 @@ def main() -> None:
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
     for i, run in enumerate(runs):
         first, last, kept, tried = run_summary(run / "metrics.jsonl")
-        rows = [(f"{run.name} at its start", first)] if i == 0 else []  # (stage 1, for the ablation script's runs)
-        for name, ev in rows + [(run.name, last)]:
+        rewrites = f"{kept:,} of {tried:,}" if tried else "(off)"
+        rows = [(f"{run.name} at its start", first, "—")] if i == 0 else []  # (stage 1, for the ablation's runs)
+        for name, ev, mem in rows + [(run.name, last, rewrites)]:
             # a type the evaluation did not hold (a small --eval_size): a dash
             cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" if f"eval/{t}" in ev else "—"
                      for t in TYPES]
-            mem = "—" if ev is first else (f"{kept:,} of {tried:,}" if tried else "(off)")
             print(f"| {name} | {ev['step']} | {ev['eval/all']['em']:.3f} | {ev['eval/all']['searches']:.2f} | "
                   + " | ".join(cells) + f" | {mem} |")
     print("\nHops answered without retrieving their passage (last evaluation), by what the model could"

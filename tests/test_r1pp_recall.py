@@ -3,11 +3,14 @@
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import load_bench
 
+import searchlite.models
+import searchlite.sft
 from searchlite.data import QA
 from train import batch_questions
 
@@ -137,11 +140,12 @@ def test_ceiling_starts_from_the_start_model_and_trains_it(recall, byte_tokenize
     assert out[1][4] < out[0][4] - 0.1  # two epochs of SFT lowered the NLL of the answer from memory
 
 
-def fake_run(folder, step, steps=10, seed=1):
-    """A train.py out_dir: config.json for `steps`, a checkpoint saved at `step` (trainer.pt only)."""
+def fake_run(folder, step, **cfg):
+    """A train.py out_dir: config.json (10 steps of 4 questions, seed 1, unless `cfg` says otherwise),
+    a checkpoint saved at `step` (trainer.pt only)."""
     (folder / "checkpoint").mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"seed": seed, "batch_size": 4, "steps": steps,
-                                                    "train_data": "toy/train.jsonl", "model": "toy/model"}))
+    config = {"seed": 1, "batch_size": 4, "steps": 10, "train_data": "toy/train.jsonl", "model": "toy/model"} | cfg
+    (folder / "config.json").write_text(json.dumps(config))
     torch.save({"step": step, "config": {}}, folder / "checkpoint" / "trainer.pt")
     return str(folder)
 
@@ -176,3 +180,201 @@ def test_start_flag_is_a_boolean(recall, monkeypatch):
     with pytest.raises(SystemExit) as e:
         recall.main()
     assert e.value.code == 2
+
+
+def test_question_sets_without_a_famous_flag_are_plain(recall):
+    """A training question with no "famous" field is not famous: it is kept (2 steps x 3 of 12 draw 6)."""
+    train = [QA(f"q{i}", f"question {i}?", [f"a{i}"], {}) for i in range(12)]
+    sets = recall.question_sets({"seed": 0, "steps": 2, "batch_size": 3}, train, limit=0)
+    assert len(sets["drawn"]) == len(sets["control"]) == 6
+
+
+def test_question_sets_cap_both_sets_at_the_smaller_one(recall):
+    """When fewer non-famous questions were never drawn than were drawn, both sets have that many."""
+    train = make_train(12)  # q0, q4, q8 famous
+    cfg = {"seed": 2, "steps": 2, "batch_size": 4}
+    drawn = recall.drawn_ids(cfg, 12)
+    plain_drawn = [i for i in drawn if i % 4]
+    plain_rest = [i for i in range(12) if i % 4 and i not in drawn]
+    assert len(drawn) == 8 and len(plain_rest) < len(plain_drawn)
+    sets = recall.question_sets(cfg, train, limit=0)
+    assert len(sets["drawn"]) == len(sets["control"]) == len(plain_rest)
+    assert [q.id for q in sets["drawn"]] == [f"q{i}" for i in plain_drawn[:len(plain_rest)]]
+
+
+def test_question_sets_limit_keeps_the_first_drawn_and_as_many_controls(recall):
+    """--limit 3: the first three non-famous questions in draw order, and three never drawn."""
+    train = make_train(40)
+    cfg = {"seed": 0, "steps": 2, "batch_size": 8}
+    first = [f"q{i}" for i in recall.drawn_ids(cfg, 40) if i % 4][:3]
+    sets = recall.question_sets(cfg, train, limit=3)
+    assert [q.id for q in sets["drawn"]] == first
+    assert len(sets["control"]) == 3
+
+
+def test_the_control_is_a_shuffled_sample_not_the_first_never_drawn(recall):
+    """The control is a seeded sample of the never-drawn questions, not simply the lowest-numbered ones."""
+    train = make_train(40)
+    cfg = {"seed": 0, "steps": 2, "batch_size": 8}
+    drawn = set(recall.drawn_ids(cfg, 40))
+    lowest = [f"q{i}" for i in range(40) if i % 4 and i not in drawn]
+    sets = recall.question_sets(cfg, train, limit=0)
+    assert [q.id for q in sets["control"]] != lowest[:len(sets["control"])]
+    assert {q.id for q in sets["control"]} <= set(lowest)
+
+
+@pytest.mark.parametrize("field,value", [("seed", 2), ("batch_size", 8), ("train_data", "other/train.jsonl")])
+def test_load_runs_refuses_runs_that_drew_other_questions(recall, tmp_path, field, value):
+    """Runs with another seed, batch_size or training set drew other questions: an error naming the run."""
+    a, b = fake_run(tmp_path / "a", step=6), fake_run(tmp_path / "b", step=6, **{field: value})
+    with pytest.raises(SystemExit, match="must have drawn the same questions"):
+        recall.load_runs([a, b])
+
+
+def test_load_runs_refuses_a_run_at_an_earlier_step_too(recall, tmp_path):
+    """A second run whose checkpoint is behind the first's drew fewer questions: refused as well."""
+    with pytest.raises(SystemExit, match="checkpoint step"):
+        recall.load_runs([fake_run(tmp_path / "a", step=6), fake_run(tmp_path / "b", step=3)])
+
+
+def test_memory_rows_train_on_the_first_gold_answer(recall, byte_tokenizer):
+    """With several gold answers, the trained answer from memory is the first one."""
+    from searchlite.protocol import get_protocol
+    from searchlite.teacher import Teacher
+
+    pp = get_protocol("r1_searcher_pp", "toy")
+    qa = [QA("t1", "Who founded Numel Works?", ["Rovo Thitas", "R. Thitas"], {"hops": [hop("n", "Rovo Thitas")]})]
+    rows = recall.memory_rows(qa, byte_tokenizer, pp, chat_template=False)
+    trained = byte_tokenizer.decode(rows.input_ids[0][rows.loss_mask[0].bool()].tolist(), skip_special_tokens=False)
+    assert trained == Teacher(byte_tokenizer, pp, qa).recall("Rovo Thitas")
+
+
+class Rows(SimpleNamespace):
+    """Stands in for memory_rows' Rollout: its tensors, and its length in rows."""
+
+    def __init__(self, input_ids, loss_mask, attention_mask):
+        super().__init__(input_ids=input_ids, loss_mask=loss_mask, attention_mask=attention_mask)
+
+    def __len__(self):
+        return self.input_ids.shape[0]
+
+
+class FakeModel:
+    def train(self):
+        return self
+
+    def eval(self):
+        return self
+
+
+def test_ceiling_trains_cumulative_epochs_and_tallies_the_test_set(recall, monkeypatch):
+    """Epochs 0, 1, 3, 4: SFT passes of 1, 2 and 1 epochs (seeded seed + e, the run's lr) on one model;
+    NLL weighted by answer tokens over chunks of 64 rows (64 rows of 1 token at loss 1, then 6 of 4
+    tokens at loss 3: (64 + 72) / 88); the test summary (EM 1/2, RC (0 + 3) / 2), split by the drawn
+    questions' facts (q1 shares drawn b; q2 shares only the control's z)."""
+    calls, model = [], FakeModel()
+    n = 70
+    input_ids = torch.zeros(n, 6, dtype=torch.long)
+    loss_mask = torch.zeros(n, 6, dtype=torch.long)
+    loss_mask[:64, 5] = 1
+    loss_mask[64:, 2:] = 1
+    rows = Rows(input_ids, loss_mask, torch.ones(n, 6, dtype=torch.long))
+    monkeypatch.setattr(recall, "agent", lambda cfg: SimpleNamespace(tokenizer=None, protocol=None))
+    monkeypatch.setattr(recall, "memory_rows", lambda qa, tok, proto, chat: rows)
+    monkeypatch.setattr(searchlite.models, "load_policy", lambda path, dtype, device: model)
+    monkeypatch.setattr(searchlite.sft, "sft", lambda m, ids, lm, attention_mask, epochs, lr, batch_size, warmup,
+                        seed, progress: calls.append((m is model, epochs, lr, seed)))
+    monkeypatch.setattr(searchlite.sft, "sft_loss",
+                        lambda m, ids, lm, att: torch.tensor(1.0 if len(ids) == 64 else 3.0))
+    test_records = [{"id": "q1", "em": 1.0, "searches": 0}, {"id": "q2", "em": 0.0, "searches": 3}]
+    monkeypatch.setattr(recall, "answer", lambda m, sets, cfg, ag: {
+        "drawn": [{"em": 1.0, "searches": 0}], "control": [{"em": 0.0, "searches": 1}], "test": list(test_records)})
+    drawn = [QA("t1", "?", ["B"], {"hops": [hop("b", "B")]})]
+    control = [QA("t2", "?", ["Z"], {"hops": [hop("z", "Z")]})]
+    test = [QA("q1", "?", ["B"], {"hops": [hop("b", "B")]}), QA("q2", "?", ["Z"], {"hops": [hop("z", "Z")]})]
+    cfg = {"model": "m", "dtype": "float32", "seed": 5, "lr": 0.25, "chat_template": False}
+    out = list(recall.ceiling(cfg, {"drawn": drawn, "control": control}, test, [0, 1, 3, 4]))
+    assert calls == [(True, 1, 0.25, 6), (True, 2, 0.25, 8), (True, 1, 0.25, 9)]
+    assert [e for e, *_ in out] == [0, 1, 3, 4]
+    e, got, summary, split, nll = out[-1]
+    assert nll == pytest.approx(136 / 88)
+    assert summary == {"em": 0.5, "rc": 1.5}
+    assert got["drawn"]["no_search_right"] == 1.0 and got["control"]["em"] == 0.0
+    assert split["shares"] == {"n": 1, "no_search": 1.0, "no_search_em": 1.0, "no_search_right": 1.0, "em": 1.0}
+    assert split["other"] == {"n": 1, "no_search": 0.0, "no_search_em": 0.0, "no_search_right": 0.0, "em": 0.0}
+    calls.clear()
+    assert [e for e, *_ in recall.ceiling(cfg, {"drawn": drawn, "control": control}, test, [2])] == [2]
+    assert calls == [(True, 2, 0.25, 7)]  # a first count above 0 trains that many epochs from the start model
+
+
+CANNED = {"drawn": [{"em": 1.0, "searches": 0}, {"em": 0.0, "searches": 0}, {"em": 1.0, "searches": 1},
+                    {"em": 0.0, "searches": 2}],
+          "control": [{"em": 0.0, "searches": 1}]}
+
+
+def test_main_answers_each_run_with_its_own_config_and_prints_its_row(recall, monkeypatch, capsys):
+    """Each run is answered from its checkpoint's policy with its own config, on --limit 2 questions a
+    set; a row reads drawn then never drawn: no search 2/4, its EM 1/2, right with no search 1/4, EM
+    2/4; then 0/1, 0, 0, 0."""
+    base = {"model": "m", "seed": 0, "batch_size": 8, "steps": 2, "train_data": "t", "max_turns": 4}
+    runs = {"r1": (base, Path("r1/checkpoint")), "r2": (base | {"max_turns": 6}, Path("r2/checkpoint"))}
+    asked = []
+    monkeypatch.setattr(recall, "load_runs", lambda names: runs)
+    monkeypatch.setattr(recall, "read_qa", lambda path: make_train(40))
+    monkeypatch.setattr(recall, "resolve_path", str)
+    monkeypatch.setattr(recall, "answer", lambda model, sets, cfg: asked.append(
+        (str(model), len(sets["drawn"]), len(sets["control"]), cfg["max_turns"])) or CANNED)
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r1", "r2", "--start", "false", "--limit", "2"])
+    recall.main()
+    assert asked == [("r1/checkpoint/policy", 2, 2, 4), ("r2/checkpoint/policy", 2, 2, 6)]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("2 non-famous training questions drawn by seed 0 (2 steps x 8), 2 never drawn")
+    assert "| r1 | 50.0% | 0.500 | 25.0% | 0.500 | 0.0% | 0.000 | 0.0% | 0.000 |" in out
+
+
+def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
+    """--sft_epochs 3,1,3 asks the ceiling for epochs [1, 3]. Floors over the test set (famous x, drawn
+    facts b and y, control fact z): every famous hop recalled q1 0 + q2 2 + q3 1 + q4 1 = 4 / 4; with the
+    drawn facts too 0 + 1 + 1 + 0 = 2 / 4. A ceiling row prints its NLL, test EM and RC, then the
+    questions sharing a fact before the others."""
+    cfg = {"model": "m", "seed": 0, "batch_size": 1, "steps": 1, "train_data": "train", "test_data": "test"}
+    drawn = [QA("t1", "?", ["B"], {"hops": [hop("b", "B"), hop("y", "Y")]})]
+    control = [QA("t2", "?", ["Z"], {"hops": [hop("z", "Z")]})]
+    test = [QA("q1", "?", ["X"], {"type": "1hop", "hops": [hop("x", "X", famous=True)]}),
+            QA("q2", "?", ["C"], {"type": "2hop", "hops": [hop("b", "B"), hop("c", "C")]}),
+            QA("q3", "?", ["Z"], {"type": "1hop", "hops": [hop("z", "Z")]}),
+            QA("q4", "?", ["Y"], {"type": "1hop", "hops": [hop("y", "Y")]})]
+    asked = []
+    monkeypatch.setattr(recall, "load_runs", lambda names: {"r": (cfg, Path("r/checkpoint"))})
+    monkeypatch.setattr(recall, "read_qa", lambda path: test if path == "test" else [])
+    monkeypatch.setattr(recall, "resolve_path", str)
+    monkeypatch.setattr(recall, "question_sets", lambda c, qa, limit: {"drawn": drawn, "control": control})
+    monkeypatch.setattr(recall, "answer", lambda model, sets, c: CANNED)
+    split = {"shares": {"n": 1, "no_search": 1.0, "em": 1.0}, "other": {"n": 3, "no_search": 0.0, "em": 0.25}}
+    got = {s: recall.recall(v) for s, v in CANNED.items()}
+
+    def ceiling(c, sets, test_qa, epochs):
+        asked.append(epochs)
+        for e in epochs:
+            yield e, got, {"em": 0.5, "rc": 1.25}, split, 0.75
+
+    monkeypatch.setattr(recall, "ceiling", ceiling)
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "false", "--sft_epochs", "3,1,3"])
+    recall.main()
+    out = capsys.readouterr().out
+    assert asked == [[1, 3]]
+    assert "with every famous hop recalled: 1.000; and every drawn fact too: 0.500" in out
+    assert "| 1 | 0.750 | 0.500 | 1.25 | 1, 100.0%, 1.000 | 3, 0.0%, 0.250 |" in out.splitlines()
+
+
+@pytest.mark.parametrize("flags,error", [(["--limit", "-1"], "--limit: must be at least 0, got -1"),
+                                         (["--sft_epochs", "1,-1"], "--sft_epochs '1,-1': each must be"),
+                                         (["--sft_epochs", "1,x"], "--sft_epochs '1,x': each must be")])
+def test_a_negative_limit_or_epoch_count_is_refused(recall, monkeypatch, capsys, flags, error):
+    """--limit -1 cut one question off each set (and the two sets apart), and a negative epoch count
+    printed the start model under "-1 epochs": both are refused before any model loads."""
+    monkeypatch.setattr(recall, "load_runs", lambda names: pytest.fail("a run was read"))
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", *flags])
+    with pytest.raises(SystemExit) as e:
+        recall.main()
+    assert e.value.code == 2 and error in capsys.readouterr().err

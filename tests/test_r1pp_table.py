@@ -13,7 +13,12 @@ def table():
 
 
 def hop(doc, answer, famous=False):
-    return {"query": doc, "doc_id": doc, "answer": answer, "famous": famous}
+    """A hop whose query (an entity name) differs from its passage id, as in the toy world."""
+    return {"query": f"entity {doc}", "doc_id": doc, "answer": answer, "famous": famous}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture()
@@ -21,13 +26,13 @@ def world(tmp_path):
     """Training asks fact (b, B); the test set: a famous 1-hop, a 1-hop on a new fact, a 2-hop
     whose first hop is the trained fact and whose second is new, and a 2-hop whose first hop is
     famous and whose second is new."""
-    train = [{"id": "t1", "type": "1hop", "hops": [hop("b", "B")]}]
-    test = [{"id": "q1", "type": "1hop", "hops": [hop("a", "A", famous=True)]},
-            {"id": "q2", "type": "1hop", "hops": [hop("c", "C")]},
-            {"id": "q3", "type": "2hop", "hops": [hop("b", "B"), hop("d", "D")]},
-            {"id": "q4", "type": "2hop", "hops": [hop("e", "E", famous=True), hop("f", "F")]}]
+    train = [{"id": "t1", "type": "1hop", "famous": False, "hops": [hop("b", "B")]}]
+    test = [{"id": "q1", "type": "1hop", "famous": True, "hops": [hop("a", "A", famous=True)]},
+            {"id": "q2", "type": "1hop", "famous": False, "hops": [hop("c", "C")]},
+            {"id": "q3", "type": "2hop", "famous": False, "hops": [hop("b", "B"), hop("d", "D")]},
+            {"id": "q4", "type": "2hop", "famous": False, "hops": [hop("e", "E", famous=True), hop("f", "F")]}]
     for name, rows in (("train", train), ("test", test)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
     return tmp_path / "test.jsonl", tmp_path / "train.jsonl"
 
 
@@ -119,3 +124,98 @@ def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, mo
     assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | — | — | (off) |" in out
     # no eval/ records: a row that says so in each table that reads them (the third left the run out)
     assert out.count("| run | (no eval/ records) |") == 2
+
+
+def test_run_summary_takes_first_and_last_evaluation_and_sums_rewrites_over_all_rows(table, tmp_path):
+    """First and last rows with eval/all (the last one lacking a type), and mem_kept / mem_tried summed
+    over every row, training rows included: kept 2 + 1 + 0 = 3, tried 4 + 1 + 2 = 7."""
+    ev = lambda em, types=("1hop",): {"eval/all": {"em": em, "searches": 1.0},  # noqa: E731
+                                      **{f"eval/{t}": {"em": em, "searches": 1.0} for t in types}}
+    rows = [{"step": 0, **ev(0.1)}, {"step": 1, "mem_kept": 2, "mem_tried": 4},
+            {"step": 2, "mem_kept": 1, "mem_tried": 1, **ev(0.2)}, {"step": 3, "mem_tried": 2},
+            {"step": 4, **ev(0.3, types=())}]
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    first, last, kept, tried = table.run_summary(tmp_path / "metrics.jsonl")
+    assert (first["step"], last["step"], kept, tried) == (0, 4, 3, 7)
+
+
+def test_trained_facts_are_every_hop_of_every_training_question(table, tmp_path):
+    """Both hops of a 2-hop training question are facts training asks, not only the first."""
+    write_jsonl(tmp_path / "train.jsonl", [{"id": "t1", "hops": [hop("g", "G"), hop("b", "B")]},
+                                           {"id": "t2", "hops": [hop("h", "H", famous=True)]}])
+    assert table.trained_facts(tmp_path / "train.jsonl") == {("g", "G"), ("b", "B"), ("h", "H")}
+
+
+def test_hop_sources_looks_hops_up_by_passage_id_among_all_retrieved(table, world):
+    """A hop's passage counts as retrieved when any of the record's docs has its id (not only the
+    first doc, and matched by doc_id, not by the hop's query text)."""
+    records = [{"id": "q4", "em": 1.0, "docs": [{"id": "x"}, {"id": "f"}]},  # e (famous) missed, f found
+               {"id": "q3", "em": 0.0, "docs": [{"id": "z"}, {"id": "b"}, {"id": "d"}]}]  # both found
+    h = table.hop_sources(records, *world)
+    assert (h["famous"], h["train"], h["new"]) == (1.0, 0.0, 0.0)
+    assert (h["recalled"], h["guessed"]) == (0, 0)
+
+
+def make_run(folder):
+    """Metrics with evaluations at steps 0 and 2 and 3 of 5 rewrites kept; eval/ records for both."""
+    run = folder / "run"
+    (run / "eval").mkdir(parents=True)
+    ev0 = {"eval/all": {"em": 0.5, "searches": 1.0}, "eval/1hop": {"em": 0.5, "searches": 0.5},
+           "eval/2hop": {"em": 0.5, "searches": 1.5}}
+    ev2 = {"eval/all": {"em": 0.5, "searches": 0.75}, "eval/1hop": {"em": 0.0, "searches": 0.5},
+           "eval/2hop": {"em": 1.0, "searches": 1.0}}
+    write_jsonl(run / "metrics.jsonl", [{"step": 0, **ev0}, {"step": 1, "mem_kept": 2, "mem_tried": 3},
+                                        {"step": 2, "mem_kept": 1, "mem_tried": 2, **ev2}])
+    write_jsonl(run / "eval" / "step_000000.jsonl", [
+        {"id": "q1", "em": 1.0, "searches": 0, "docs": []},
+        {"id": "q2", "em": 0.0, "searches": 1, "docs": [{"id": "c"}]},
+        {"id": "q3", "em": 0.0, "searches": 1, "docs": [{"id": "b"}]},
+        {"id": "q4", "em": 1.0, "searches": 2, "docs": [{"id": "e"}, {"id": "f"}]}])
+    write_jsonl(run / "eval" / "step_000002.jsonl", [
+        {"id": "q1", "em": 0.0, "searches": 0, "docs": []},
+        {"id": "q2", "em": 0.0, "searches": 0, "docs": []},
+        {"id": "q3", "em": 1.0, "searches": 1, "docs": [{"id": "d"}]},
+        {"id": "q4", "em": 1.0, "searches": 1, "docs": [{"id": "x"}, {"id": "f"}]}])
+    return run
+
+
+def test_main_prints_each_table_from_the_right_evaluation(table, world, tmp_path, monkeypatch, capsys):
+    """Every number of the four tables, worked out by hand:
+    start (step_000000): famous hops a missed, e found: 50%; trained b found: 0%; new c, f found, d
+    missed: 33%; q3 lacks d: guessed 1 (EM 0). Famous q1 recalled (1, 1.0); others searched: q2 0,
+    q3 0, q4 1 -> (3, 0.333).
+    last (step_000002): a, e missed: 100%; b missed: 100%; c missed, d and f found: 33%; q3 recalled
+    (EM 1), q2 guessed (EM 0). q1 recalled (1, 0.0); q2 recalled (1, 0.0); q3, q4 searched (2, 1.0).
+    Floors: famous questions (0 + 1 + 2 + 2) / 4, famous hops (0 + 1 + 2 + 1) / 4, famous+train hops
+    (0 + 1 + 1 + 1) / 4."""
+    run = make_run(tmp_path)
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    table.main()
+    out = capsys.readouterr().out.splitlines()
+    expected = [
+        "| run at its start | 0 | 0.500 | 1.00 | 0.500 / 0.50 | 0.500 / 1.50 | — | — |",
+        "| run | 2 | 0.500 | 0.75 | 0.000 / 0.50 | 1.000 / 1.00 | — | 3 of 5 |",
+        "| run at its start, step_000000 | 50% | 0% | 33% | 0, 0.000 | 1, 0.000 |",
+        "| run, step_000002 | 100% | 100% | 33% | 1, 1.000 | 1, 0.000 |",
+        "| run at its start, step_000000 | 1, 1.000 | 0, 0.000 | 0, 0.000 | 3, 0.333 |",
+        "| run, step_000002 | 1, 0.000 | 0, 0.000 | 1, 0.000 | 2, 1.000 |",
+        "fewest retrievals per test question, famous questions from memory: 1.250 (1hop 0.50, 2hop 2.00, "
+        "comparison 0.00)",
+        "fewest retrievals per test question, famous hops from memory: 1.000 (1hop 0.50, 2hop 1.50, comparison 0.00)",
+        "fewest retrievals per test question, famous+train hops from memory: 0.750 (1hop 0.50, 2hop 1.00, "
+        "comparison 0.00)"]
+    for line in expected:
+        assert line in out
+
+
+def test_a_run_with_one_evaluation_shows_its_rewrites(table, world, tmp_path, monkeypatch, capsys):
+    """Its start row and its last row are the same evaluation; the last still counts L_M's rewrites."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", [{"step": 0, "eval/all": {"em": 0.5, "searches": 1.0}},
+                                        {"step": 1, "mem_kept": 2, "mem_tried": 3}])
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    table.main()
+    out = capsys.readouterr().out.splitlines()
+    assert "| run at its start | 0 | 0.500 | 1.00 | — | — | — | — |" in out
+    assert "| run | 0 | 0.500 | 1.00 | — | — | — | 2 of 3 |" in out
