@@ -14,6 +14,9 @@ process's stderr goes to a file that a failure shows; a pair killed by a signal 
 with a warning that carries what they printed.
 `test_torchrun_train_smoke` runs `torchrun --nproc_per_node 2 train.py` for two steps, and the
 next test stops such a run with Ctrl-C.
+The tests at the end check each helper in one process against a stand-in process group
+(`FakeGroup`), where the other ranks' numbers are set by hand: ranks and worlds the two
+processes never are (3 or 4 ranks, LOCAL_RANK on GPU), and the wrapping of models.
 """
 
 import faulthandler
@@ -26,15 +29,20 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import deque
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
+from conftest import make_tiny_llama
+from torch import nn
 
 import train
 from searchlite import distributed as dist
 from searchlite.config import Config
+from searchlite.losses import masked_whiten
 from searchlite.memory import on_device
 from searchlite.models import Critic, load_policy, make_optimizer
 from searchlite.rollout import Rollout
@@ -300,8 +308,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, byte_tokenizer):
     """The tiny model and batch, and the two processes' outputs (spawned once for all checks)."""
-    from conftest import make_tiny_llama
-
     tmp = tmp_path_factory.mktemp("dist")
     model_dir = str(tmp / "model")
     model = make_tiny_llama(byte_tokenizer)
@@ -380,7 +386,6 @@ def test_the_batch_tells_a_global_mean_from_a_mean_of_rank_means(setup):
 
 def test_cross_rank_reductions(setup):
     from searchlite.advantages import group_advantages
-    from searchlite.losses import masked_whiten
 
     batch, _, outputs = setup
     red = outputs["reductions"]
@@ -552,3 +557,306 @@ def test_settings_two_processes_cannot_use_are_refused_before_training(monkeypat
         dist.check_settings(8, 3, "ddp")  # each rank's share, 3 // 2, would silently be 1
     monkeypatch.setattr(dist, "world", lambda: 1)
     dist.check_settings(7, 0, "fsdp", lora_rank=8, optimizer="adamw8bit")  # one process: nothing is sharded
+
+
+# ---------------------------------------------------------------------------- one process, a stand-in group
+# `FakeGroup` replaces torch.distributed inside searchlite.distributed: this process is rank `rank`
+# of `world`, and what the other ranks contribute to each collective is given in advance (in rank
+# order, this rank left out), so every reduction is checked against numbers worked out by hand.
+# Model wrapping is checked by recording what FSDP2's `fully_shard` and DDP are called with.
+
+
+class FakeGroup:
+    """torch.distributed as seen by rank `rank` of `world`; `peers` holds, per collective call,
+    the other ranks' contributions in rank order (this rank's left out)."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, world: int, rank: int, peers=(), initialized: bool = True):
+        self.world, self.rank_, self.peers = world, rank, deque(peers)
+        self.initialized = initialized
+        self.calls = []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def get_world_size(self):
+        return self.world
+
+    def get_rank(self):
+        return self.rank_
+
+    def _everyone(self, mine):
+        others = list(self.peers.popleft())
+        assert len(others) == self.world - 1
+        return others[:self.rank_] + [mine] + others[self.rank_:]
+
+    def all_reduce(self, t, op=torch.distributed.ReduceOp.SUM):
+        self.calls.append(("all_reduce", op))
+        values = torch.stack([torch.as_tensor(v, dtype=t.dtype) for v in self._everyone(t.clone())])
+        t.copy_(values.max(0).values if op == torch.distributed.ReduceOp.MAX else values.sum(0))
+
+    def all_gather(self, parts, x):
+        self.calls.append(("all_gather",))
+        for p, v in zip(parts, self._everyone(x), strict=True):
+            p.copy_(torch.as_tensor(v, dtype=x.dtype))
+
+    def all_gather_object(self, out, obj):
+        out[:] = self._everyone(obj)
+
+    def init_process_group(self, backend):
+        self.calls.append(("init_process_group", backend))
+        self.initialized = True
+
+    def barrier(self):
+        self.calls.append(("barrier",))
+
+    def destroy_process_group(self):
+        self.calls.append(("destroy_process_group",))
+        self.initialized = False
+
+
+@pytest.fixture()
+def group(monkeypatch):
+    """Make this process rank `rank` of `world` (with the other ranks' values `peers`)."""
+
+    def make(world: int, rank: int, peers=(), initialized: bool = True) -> FakeGroup:
+        fake = FakeGroup(world, rank, peers, initialized)
+        monkeypatch.setattr(dist, "dist", fake)
+        return fake
+
+    return make
+
+
+# ------------------------------------------------ splitting
+
+
+def test_shard_gives_each_rank_its_contiguous_share_in_rank_order(group):
+    """Eight questions over four ranks: rank r takes items 2r and 2r + 1."""
+    for r in range(4):
+        group(4, r)
+        assert dist.shard(list(range(8))) == [2 * r, 2 * r + 1]
+
+
+def test_shard_refuses_an_uneven_split_unless_asked_not_to(group):
+    """A step's batch must split evenly (every rank runs as many micro-batches); evaluation
+    questions need not, and rank 1 of 3 then takes items 2 and 3 of 7 (bounds 7k // 3)."""
+    group(3, 1)
+    with pytest.raises(ValueError, match="7 items do not split evenly over 3 processes"):
+        dist.shard(list(range(7)))
+    assert dist.shard(list(range(7)), even=False) == [2, 3]
+
+
+def test_this_rank_takes_its_own_entry_and_the_last_when_the_run_had_fewer(monkeypatch):
+    """Resuming per-rank states (sampler calls, RNG): rank r takes entry r; a rank the saving
+    run did not have takes the last entry; a one-process state is used as it is."""
+    monkeypatch.setattr(dist, "rank", lambda: 1)
+    assert dist.this_rank([{"calls": 3}, {"calls": 5}, {"calls": 9}]) == {"calls": 5}
+    monkeypatch.setattr(dist, "rank", lambda: 3)
+    assert dist.this_rank([{"calls": 3}, {"calls": 5}]) == {"calls": 5}
+    assert dist.this_rank({"calls": 4}) == {"calls": 4}
+
+
+# ------------------------------------------------ reductions
+
+
+def test_all_sum_adds_every_rank_in_float64(group):
+    """2**24 + 1 is not a float32: a sum in float32 would lose the 1."""
+    group(2, 0, peers=[[2.0]])
+    assert dist.all_sum(2.0**24 + 1) == 2.0**24 + 3
+
+
+def test_all_mean_divides_by_the_number_of_ranks(group):
+    group(4, 2, peers=[[1.0, 2.0, 3.0]])
+    assert dist.all_mean(6.0) == pytest.approx(3.0, rel=1e-12)
+
+
+def test_all_max_takes_the_largest_value_of_any_rank(group):
+    """e.g. train.py's micro-batch passes: every rank runs as many as the rank that needs most."""
+    fake = group(3, 0, peers=[[7, 2]])
+    assert dist.all_max(3) == 7
+    assert fake.calls == [("all_reduce", torch.distributed.ReduceOp.MAX)]
+
+
+def test_mean_in_one_process_is_the_plain_mean():
+    assert dist.mean(torch.tensor([1, 2, 3, 10])) == pytest.approx(4.0, rel=1e-12)
+    assert dist.mean(torch.tensor([[True, False], [False, False]])) == pytest.approx(0.25, rel=1e-12)
+
+
+def test_mean_weighs_every_element_of_every_rank(group):
+    """Rank 1 holds 5 values summing to 60, rank 0 3 summing to 3: 63 / 8, not the ranks' mean of means."""
+    group(2, 1, peers=[[[3.0, 3.0]]])
+    assert dist.mean(torch.arange(5.0) + 10) == pytest.approx(63 / 8, rel=1e-12)
+
+
+def test_gather_rows_concatenates_in_rank_order_and_local_rows_undoes_it(group):
+    mine = torch.tensor([[2.0, 3.0]])  # (1, 2) rank 1 of 3
+    group(3, 1, peers=[[[[0.0, 1.0]], [[4.0, 5.0]]]])
+    rows = dist.gather_rows(mine)
+    assert torch.equal(rows, torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]))
+    assert torch.equal(dist.local_rows(rows), mine)
+    assert torch.equal(dist.local_rows(torch.arange(12.0).reshape(6, 2)), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+
+
+def test_masked_whiten_uses_the_mean_and_variance_of_every_rank(group):
+    """Rank 1's rows whitened with the statistics of both ranks' masked entries equal the
+    one-process whitening of the whole batch, row for row; masked-out entries are 0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g, dtype=torch.float64)  # (B, T) the whole batch
+    mask = (torch.rand(4, 6, generator=g) < 0.6).long()  # (B, T)
+    mask[0, 0] = mask[3, 5] = 1
+    x0, m0, x1, m1 = x[:2], mask[:2].bool(), x[2:], mask[2:]
+    mu = float(x[mask.bool()].mean())
+    peers = [[float(m0.sum())], [float(x0[m0].sum())], [float(((x0[m0] - mu) ** 2).sum())]]  # rank 0's sums
+    group(2, 1, peers=peers)
+    got = dist.masked_whiten(x1, m1)
+    want = masked_whiten(x, mask)[2:]
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.all(got[m1 == 0] == 0)
+
+
+def test_masked_whiten_adds_eps_to_the_variance_before_the_square_root(group):
+    """Nearly equal values (variance 1e-8, eps 1e-8): each is (x - mean) / sqrt(var + eps)."""
+    x = torch.tensor([[1.0, 1.0 + 2e-4, 5.0]], dtype=torch.float64)  # (1, 3), the 5 is masked out
+    mask = torch.tensor([[1, 1, 0]])
+    group(2, 0, peers=[[0.0], [0.0], [0.0]])  # rank 1 holds no masked entry
+    got = dist.masked_whiten(x, mask)
+    want = torch.tensor([[-1e-4, 1e-4, 0.0]], dtype=torch.float64) / (1e-8 + 1e-8) ** 0.5
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------ settings
+
+
+def test_unknown_parallel_mode_is_refused(monkeypatch):
+    for world in (1, 2):
+        monkeypatch.setattr(dist, "world", lambda w=world: w)
+        with pytest.raises(ValueError, match="unknown parallel mode 'tp'"):
+            dist.check_settings(8, 4, "tp")
+    with pytest.raises(ValueError, match="unknown parallel mode 'tp'"):
+        dist.choose_parallel(nn.Linear(2, 2), "tp")
+
+
+def test_settings_that_split_evenly_over_four_processes_pass(monkeypatch):
+    """Four processes: 12 and 8 split; 6 and 10 do not (6 // 4 would leave trajectories out)."""
+    monkeypatch.setattr(dist, "world", lambda: 4)
+    dist.check_settings(12, 8, "ddp", lora_rank=8)
+    with pytest.raises(ValueError, match="batch_size 6 does not split over 4 processes"):
+        dist.check_settings(6, 4, "ddp")
+    with pytest.raises(ValueError, match="mini_batch_size 10 .*does not split over 4"):
+        dist.check_settings(12, 10, "ddp")
+
+
+def test_choose_parallel_picks_fsdp_from_the_threshold_of_trained_parameters_up(monkeypatch):
+    """'auto' counts trainable parameters only (a LoRA run's frozen base does not count), and
+    FSDP2 starts at exactly FSDP_FROM_PARAMS of them; an explicit mode is kept as given."""
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 6)
+    model = nn.Linear(2, 2)  # 4 weights + 2 biases
+    assert dist.choose_parallel(model, "auto") == "fsdp"
+    model.bias.requires_grad_(False)  # 4 trained
+    assert dist.choose_parallel(model, "auto") == "ddp"
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 5)
+    assert dist.choose_parallel(model, "auto") == "ddp"
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 4)
+    assert dist.choose_parallel(model, "auto") == "fsdp"
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 1000)
+    assert dist.choose_parallel(model, "fsdp") == "fsdp"
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 1)
+    assert dist.choose_parallel(model, "ddp") == "ddp"
+
+
+# ------------------------------------------------ models
+
+
+class RecordedDDP(nn.Module):
+    """Stands in for DistributedDataParallel: keeps what it was built with."""
+
+    def __init__(self, module, device_ids=None, broadcast_buffers=True):
+        super().__init__()
+        self.module, self.device_ids, self.broadcast_buffers = module, device_ids, broadcast_buffers
+
+
+def test_ddp_wraps_a_partly_frozen_model_and_leaves_a_frozen_one(monkeypatch):
+    """A LoRA policy (frozen base, trainable adapters) must be wrapped, or its gradients are never
+    averaged over ranks; the reference (nothing trainable) stays a plain module."""
+    monkeypatch.setattr(dist, "world", lambda: 2)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", RecordedDDP)
+    lora_like = nn.Sequential(nn.Linear(3, 3).requires_grad_(False), nn.Linear(3, 3))
+    wrapped = dist.wrap_model(lora_like, "ddp", torch.device("cpu"))
+    assert isinstance(wrapped, RecordedDDP) and wrapped.module is lora_like and wrapped.device_ids is None
+    assert not wrapped.broadcast_buffers
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    assert dist.wrap_model(frozen, "ddp", torch.device("cpu")) is frozen
+    with pytest.raises(ValueError, match="mode must be 'ddp' or 'fsdp'"):
+        dist.wrap_model(lora_like, "auto", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("compute", [None, torch.bfloat16])
+def test_fsdp_shards_each_decoder_layer_then_the_root(monkeypatch, byte_tokenizer, offload, compute):
+    """fully_shard on every decoder layer, in order, then on the model; each with the CPU offload
+    policy exactly when asked, and bf16 compute with float32 gradient reduction for a model
+    marked to compute in bf16 (the mark is then cleared)."""
+    from torch.distributed import fsdp
+
+    calls = []
+    monkeypatch.setattr(dist, "world", lambda: 2)
+    monkeypatch.setattr(dist, "_mesh", lambda device_type: ("mesh", device_type))
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append((module, kw)))
+    model = make_tiny_llama(byte_tokenizer, layers=3)
+    model.searchlite_compute_dtype = compute
+    assert dist.wrap_model(model, "fsdp", torch.device("cpu"), offload=offload) is model
+    assert [m for m, _ in calls] == [*model.model.layers, model]
+    for _, kw in calls:
+        assert kw["mesh"] == ("mesh", "cpu")
+        assert type(kw["offload_policy"]) is (fsdp.CPUOffloadPolicy if offload else fsdp.OffloadPolicy)
+        assert kw["mp_policy"].param_dtype == compute
+        assert kw["mp_policy"].reduce_dtype == (torch.float32 if compute else None)
+    assert model.searchlite_compute_dtype is None
+
+
+# ------------------------------------------------ the process group
+
+
+def test_init_takes_cuda_local_rank_and_a_group_for_cpu_and_gpu_tensors(group, monkeypatch):
+    """On GPU, rank 3 of a 4-GPU-a-node run (LOCAL_RANK 1) takes cuda:1, and the group runs gloo
+    for the CPU metric reductions beside NCCL; on CPU, gloo; one process joins nothing."""
+    set_device = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_device.append)
+    monkeypatch.setattr(dist, "_own_group", False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fake = group(4, 3, initialized=False)
+    assert dist.init(torch.device("cuda")) == torch.device("cuda", 1)
+    assert set_device == [torch.device("cuda", 1)]
+    assert fake.calls == [("init_process_group", "cpu:gloo,cuda:nccl")]
+    fake = group(4, 3, initialized=False)
+    assert dist.init(torch.device("cpu")) == torch.device("cpu")
+    assert fake.calls == [("init_process_group", "gloo")]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    fake = group(1, 0, initialized=False)
+    assert dist.init(torch.device("cpu")) == torch.device("cpu") and fake.calls == []
+
+
+def test_close_leaves_a_group_it_did_not_create(group, monkeypatch):
+    """vLLM's own process group is not destroyed; the one init() made is, after a barrier."""
+    monkeypatch.setattr(dist, "_own_group", False)
+    fake = group(2, 0)
+    dist.close()
+    assert fake.calls == [] and fake.initialized
+    monkeypatch.setattr(dist, "_own_group", True)
+    dist.close()
+    assert fake.calls == [("barrier",), ("destroy_process_group",)] and not dist._own_group
+
+
+def test_one_process_helpers_change_nothing():
+    """Without a process group: rank 0 of 1, sums and gathers of one, whole shares, models as they are."""
+    model = nn.Linear(2, 2)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert (dist.world(), dist.rank(), dist.is_main()) == (1, 0, True)
+    assert dist.shard([1, 2, 3]) == [1, 2, 3] and dist.all_sum(2.5) == 2.5 and dist.all_max(3) == 3
+    assert dist.gather_rows(x) is x and torch.equal(dist.local_rows(x), x)
+    assert dist.wrap_model(model, "fsdp", torch.device("cpu")) is model and not dist.is_sharded(model)
+    assert dist.full_state_dict(model) is None
+    assert dist.per_rank({"calls": 1}) == {"calls": 1}

