@@ -6,8 +6,9 @@
 For each run: the held-out test EM and retrieval calls per question (RC) at its last evaluation
 (`step` says how far a run got), by question type, and the rewrites L_M kept over the run; for
 the first run, its first evaluation too (the model it starts from: stage 1's for the ablation
-script's runs, which all start there). From each run's eval/ records: which hops it answered without their passage,
-split by what it could know (`hop_sources`), and the EM of questions answered with no search against those searched (`recall_vs_search`).
+script's runs, which all start there). From each run's eval/ records: which hops it answered
+without their passage, split by what it could know (`hop_sources`), and the EM of questions
+answered with no search against those searched (`recall_vs_search`).
 Then, from the test questions alone, the fewest retrievals a policy could make and still answer
 every question: one per hop (one for both of a comparison's, which one search for the question
 finds), except that it answers from memory (a) questions whose every hop

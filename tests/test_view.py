@@ -422,7 +422,6 @@ def test_the_command_stops_a_turn_at_a_new_question_and_samples_with_its_seed(tm
     protocol's stops and "\\nQuestion:"); --seed reaches the sampler."""
     import searchlite.rollout
     import searchlite.sampler
-    from searchlite.protocol import get_protocol
     from searchlite.view import main
 
     stops, seeds = [], []
