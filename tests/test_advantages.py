@@ -257,3 +257,17 @@ def test_reinforce_pp_matches_naive_and_is_whitened(gamma, seed):
     assert abs(vals.mean().item()) < ATOL
     assert abs(vals.std(unbiased=False).item() - 1.0) < ATOL
     assert torch.all(adv[mask == 0] == 0)
+
+
+def test_place_on_last_token_at_position_zero():
+    """A row whose only policy token sits at position 0 still gets its score there; a row without
+    policy tokens gets nothing, and other rows are unaffected."""
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [0, 1, 1]])
+    got = place_on_last_token(torch.tensor([2.0, 5.0, -1.0]), mask)
+    assert torch.equal(got, torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -1.0]]))
+
+
+def test_ppo_token_rewards_with_a_first_position_policy_token():
+    """The per-token PPO reward of a one-token trajectory at position 0 is -kl_coef * kl + score."""
+    got = ppo_token_rewards(torch.tensor([1.0]), torch.tensor([[0.5, 9.0]]), torch.tensor([[1, 0]]), kl_coef=0.2)
+    assert torch.allclose(got, torch.tensor([[0.9, 0.0]]), atol=1e-6, rtol=0)

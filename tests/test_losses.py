@@ -384,3 +384,39 @@ def test_k3_gradient_stays_finite_at_extreme_log_ratio():
 def test_kl_unknown_kind():
     with pytest.raises(ValueError, match="unknown KL estimator 'low_var_kl'"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "low_var_kl")
+
+
+def test_masked_mean_along_a_dim_gives_zero_for_an_empty_row():
+    """masked_mean(dim=-1) of a row with no masked entry is 0 (not NaN), the others their own mean."""
+    x = torch.tensor([[1.0, 2.0, 6.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 1]])
+    got = masked_mean(x, mask, dim=-1)
+    assert torch.equal(got, torch.tensor([1.5, 0.0, 9.0]))
+
+
+def test_policy_loss_clipfrac_follows_the_sequence_mean_mode():
+    """With "seq_mean_token_mean" both the loss and the clip fraction weigh every sequence the same:
+    row 0 has 1 of 3 tokens clipped (ratio 1.5 > 1.2 with A > 0), row 1 its only token, so the clip
+    fraction is (1/3 + 1) / 2, not the token mean 2/4."""
+    logp = torch.tensor([[math.log(1.5), 0.0, 0.0], [math.log(1.5), 0.0, 0.0]])
+    old = torch.zeros(2, 3)
+    adv = torch.ones(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    loss, clipfrac = policy_loss(logp, old, adv, mask, 0.2, mode="seq_mean_token_mean")
+    assert abs(clipfrac.item() - (1 / 3 + 1.0) / 2) < 1e-6
+    assert abs(loss.item() - (-(1.2 + 1.0 + 1.0) / 3 - 1.2) / 2) < 1e-6
+    loss_t, clipfrac_t = policy_loss(logp, old, adv, mask, 0.2, mode="token_mean")
+    assert abs(clipfrac_t.item() - 0.5) < 1e-6
+    assert abs(loss_t.item() - (-(1.2 + 1.0 + 1.0 + 1.2) / 4)) < 1e-6
+
+
+def test_value_loss_clips_a_value_that_moved_down():
+    """A value that fell from 1.0 to 0.0 is clipped to old - eps = 0.8: with return 0 the clipped
+    error 0.64 is the larger, loss 0.5 * 0.64; a value that rose from 0 to 1 with return 0 is
+    clipped to 0.2 and pays the unclipped error 1. Token mean (0.32 + 0.5) / 2."""
+    values = torch.tensor([[0.0, 1.0]])
+    old = torch.tensor([[1.0, 0.0]])
+    ret = torch.zeros(1, 2)
+    loss, clipfrac = value_loss(values, old, ret, torch.ones(1, 2), 0.2)
+    assert abs(loss.item() - (0.5 * 0.64 + 0.5 * 1.0) / 2) < 1e-6
+    assert abs(clipfrac.item() - 0.5) < 1e-6

@@ -179,3 +179,41 @@ def test_group_reward_length_mismatch():
 def test_group_reward_unknown_over_raises(over, correct):
     with pytest.raises(ValueError, match=f"over must be 'group' or 'correct', got '{over}'"):
         group_reward(correct, [1, 2], over=over)
+
+
+def test_normalize_answer_replaces_an_article_with_a_space():
+    """SQuAD replaces a whole-word article with a space, so an article between two non-ASCII
+    punctuation marks (en dashes, not deleted) leaves a space behind."""
+    assert normalize_answer("Tom\u2013the\u2013Cat") == "tom\u2013 \u2013cat"
+    assert exact_match("Tom\u2013the\u2013Cat", ["tom\u2013 \u2013cat"]) == 1.0
+    assert exact_match("Tom\u2013the\u2013Cat", ["tom\u2013\u2013cat"]) == 0.0
+
+
+def test_cover_cap_splits_at_semicolons_without_spaces():
+    """A semicolon separates words for the 10-word cap even with no space after it: 11 names is
+    over the cap, 10 names is within it."""
+    names = "Rome;Oslo;Bern;Lima;Kyiv;Riga;Baku;Doha;Suva;Apia"
+    assert cover_exact_match(names + ";Paris", ["Paris"]) == 0.0
+    assert cover_exact_match(names.split(";", 1)[1] + ";Paris", ["Paris"]) == 1.0
+
+
+def test_cover_cap_comma_after_a_number_separates_when_no_digit_follows():
+    """Only a comma between two digits is a thousands separator; after a number and before a letter
+    it separates words: "Apollo 11,Apollo 12,..." counts Apollo and 11 as two words each."""
+    pred = "Apollo 11,Apollo 12,Apollo 13,Apollo 14,Apollo 15,Paris"  # 11 words
+    assert cover_exact_match(pred, ["Paris"]) == 0.0
+    assert cover_exact_match(pred, ["Paris"], max_words=None) == 1.0
+    assert cover_exact_match("Apollo 11,Apollo 12,Apollo 13,Apollo 14,Paris", ["Paris"]) == 1.0  # 9
+
+
+def test_group_reward_default_eta_is_two():
+    """Without eta, the bonus 2 * sigma^2 is capped at 2: counts 0, 4, 0, 4 have sigma^2 = 4."""
+    assert group_reward([False, True, True, False], [0, 4, 0, 4]) == [0.0, 0.0, 2.0, 0.0]
+    assert group_reward([True, True, False], [1, 1, 4]) == [2.0, 2.0, 0.0]
+
+
+def test_no_gold_answer_scores_zero():
+    """With an empty list of golds no prediction scores: EM, F1 and cover-EM are all 0."""
+    assert exact_match("paris", []) == 0.0
+    assert f1_score("paris", []) == 0.0
+    assert cover_exact_match("paris", []) == 0.0
