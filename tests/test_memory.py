@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 import train
 from searchlite.config import Config, ConfigError
 from searchlite.losses import token_logprobs
-from searchlite.memory import LoRAReference, add_lora, check_levers, make_adamw, on_device, optimizer_state_bytes
+from searchlite.memory import (LoRAReference, add_lora, check_levers, load_merged, make_adamw, on_device,
+                               optimizer_state_bytes)
 
 IDS = torch.tensor([[5, 9, 12, 7, 3, 40, 41], [4, 4, 8, 2, 6, 70, 1]])  # (2, 7)
 
@@ -38,8 +40,8 @@ def varied_reward(monkeypatch):
 # ---------------------------------------------------------------------------- LoRA
 
 
-def lora_model(tiny_llama):
-    model = add_lora(tiny_llama, rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj")
+def lora_model(tiny_llama, rank=4):
+    model = add_lora(tiny_llama, rank=rank, alpha=8.0, targets="q_proj,v_proj,down_proj")
     with torch.no_grad():  # peft starts lora_B at zero (the adapter changes nothing); make it matter
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -137,6 +139,9 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
 def test_a_misspelt_lora_target_is_named(tiny_llama):
     with pytest.raises(ConfigError, match=r"no module of the model is named 'v_prj' \(its linear layers: down_proj"):
         add_lora(tiny_llama, rank=4, alpha=8.0, targets="q_proj,v_prj")
+    for part in ("proj", "q_pro"):  # part of a name is not a module's name
+        with pytest.raises(ConfigError, match=f"no module of the model is named '{part}'"):
+            add_lora(tiny_llama, rank=4, alpha=8.0, targets=part)
     assert add_lora(tiny_llama, rank=4, alpha=8.0, targets="self_attn.q_proj") is not None  # a dotted suffix
 
 
@@ -455,18 +460,18 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
     assert reuse_freed_memory(torch.device("cuda")) is False  # GPU runs: host memory is left to glibc's defaults
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens"])
-def test_merging_an_adapter_on_a_tied_matrix_gives_the_trained_model(tmp_path, targets):
+def test_merging_an_adapter_on_a_tied_matrix_gives_the_trained_model(tmp_path, targets, tie):
     """With tied embeddings, a LoRA on lm_head (or embed_tokens) trains that use of the shared matrix
     alone; the merged model (what evaluate.py and `memory merge` load) gives the adapter model's
-    logits, also after save_pretrained and a reload, instead of changing the other use too."""
+    logits, also after save_pretrained and a reload, instead of changing the other use too. Untied
+    embeddings keep their own two matrices, and the merge gives the adapter model's logits too."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    from searchlite.memory import load_merged
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie))
     base.save_pretrained(tmp_path / "base")
     lora = add_lora(base, 4, 8.0, targets)
     for name, w in lora.named_parameters():
@@ -482,3 +487,74 @@ def test_merging_an_adapter_on_a_tied_matrix_gives_the_trained_model(tmp_path, t
         merged.save_pretrained(tmp_path / "merged")
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+def saved_adapter(tmp_path, tokenizer, rank=4):
+    """lora_model's adapter on a fresh tiny model, saved to tmp_path/adapter: (folder, adapter model)."""
+    lora = lora_model(make_tiny_llama(tokenizer), rank)
+    lora.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter", lora
+
+
+def test_a_resumed_adapter_trains_its_adapters_only(tmp_path, byte_tokenizer):
+    """Continuing from a saved adapter folder: its adapter weights require gradients (and get them), the
+    base weights do not."""
+    folder, _ = saved_adapter(tmp_path, byte_tokenizer)
+    policy = add_lora(make_tiny_llama(byte_tokenizer), rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj",
+                      adapter=folder)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and trainable == {n for n, _ in policy.named_parameters() if "lora_" in n}
+    policy.train()
+    policy(input_ids=IDS).logits.sum().backward()
+    assert all(policy.get_parameter(n).grad is not None for n in trainable)
+
+
+def test_a_saved_adapter_of_another_rank_is_refused(tmp_path, byte_tokenizer):
+    """Resuming an adapter of rank 4 with rank 8 asked for is a ConfigError, not a silent rank-4 run."""
+    folder, _ = saved_adapter(tmp_path, byte_tokenizer, rank=4)
+    with pytest.raises(ConfigError, match="the saved adapter has rank 4, --lora_rank is 8"):
+        add_lora(make_tiny_llama(byte_tokenizer), rank=8, alpha=8.0, targets="q_proj,v_proj,down_proj", adapter=folder)
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_head(tiny_llama):
+    """targets="all-linear" (the default --lora_targets) puts an adapter on each of the 7 linear layers of every
+    decoder layer (the tiny model has 2) and none on lm_head."""
+    policy = add_lora(tiny_llama, rank=4, alpha=8.0, targets="all-linear")
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in policy.named_parameters() if ".lora_A." in n}
+    assert len(adapted) == 2 * 7 and not any("lm_head" in n for n in adapted)
+
+
+def test_a_new_adapter_has_no_dropout(tiny_llama):
+    """In training mode the LoRA policy is deterministic: two forward passes give the same logits, as the
+    old-policy and current-policy log-probs of a PPO step must."""
+    policy = lora_model(tiny_llama).train()
+    with torch.no_grad():
+        torch.testing.assert_close(policy(input_ids=IDS).logits, policy(input_ids=IDS).logits, atol=0, rtol=0)
+
+
+def test_merging_onto_a_given_base_uses_that_base_in_the_dtype_asked(tmp_path, byte_tokenizer):
+    """load_merged(adapter, base=B) loads B even when the adapter's config names another base model, and
+    dtype=bfloat16 (`memory merge --dtype bfloat16`) gives bfloat16 weights."""
+    make_tiny_llama(byte_tokenizer).save_pretrained(tmp_path / "base")
+    folder, lora = saved_adapter(tmp_path, byte_tokenizer)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        merged = load_merged(folder, base=str(tmp_path / "base"))
+        torch.testing.assert_close(merged(input_ids=IDS).logits, lora(input_ids=IDS).logits, atol=1e-5, rtol=0)
+    merged = load_merged(folder, dtype=torch.bfloat16, base=str(tmp_path / "base"))
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("saved, rank", [("full", 4), ("adapter", 0)])
+def test_resume_with_the_other_kind_of_checkpoint_is_a_config_error(tmp_path, saved, rank):
+    """--resume whose checkpoint holds full weights with --lora_rank > 0, or an adapter with --lora_rank 0, is
+    refused before any model is loaded."""
+    policy = tmp_path / "checkpoint" / "policy"
+    policy.mkdir(parents=True)
+    (tmp_path / "checkpoint" / "trainer.pt").write_bytes(b"")
+    (policy / ("config.json" if saved == "full" else "adapter_config.json")).write_text("{}")
+    with pytest.raises(ConfigError, match="resume with the run's own settings"):
+        check_levers(Config(out_dir=str(tmp_path), resume=True, lora_rank=rank))
+    check_levers(Config(out_dir=str(tmp_path), resume=True, lora_rank=4 if saved == "adapter" else 0))

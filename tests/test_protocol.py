@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from searchlite.protocol import MAX_QUERY_CHARS, Action, _unwrap_text, get_protocol
+from searchlite.retrieval import Hit
 
 SR1 = get_protocol("search_r1")
 PP = get_protocol("r1_searcher_pp")
@@ -247,3 +248,76 @@ def test_template_sets():
     with pytest.raises(FileNotFoundError, match=r"nosuch_search_r1.txt does not exist; give a prompt file with "
                                                 r"\{question\}, or a set here: fewshot, toy, '' \(the paper's\)"):
         get_protocol("search_r1", "nosuch")  # what evaluate.py prints for a mistyped --template
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def hits_of(n, text="x"):
+    """n hits, ids "1".."n", titled T1..Tn."""
+    return [Hit(id=str(k), title=f"T{k}", text=text, score=1.0) for k in range(1, n + 1)]
+
+
+def test_max_tokens_below_the_two_tags_gives_the_tags_alone(byte_tokenizer):
+    """A max_tokens smaller than the opening and closing tags together yields exactly the two tags,
+    with no passage token between them, for every such budget (0 included)."""
+    head, tail = encode(byte_tokenizer, "\n<information>"), encode(byte_tokenizer, "</information>\n")
+    for max_tokens in range(0, len(head) + len(tail) + 1):
+        assert SR1.observation_ids(byte_tokenizer, hits_of(2, "abcdefgh"), max_tokens) == head + tail
+
+
+def test_observation_block_is_head_passages_tail_exactly(byte_tokenizer):
+    """The uncut block is "\\n<information>" + the formatted passages + "</information>\\n", and a cut one keeps
+    exactly max_tokens ids: the head, the first passage ids, the tail."""
+    hits = hits_of(2, "about it")
+    head, tail = encode(byte_tokenizer, "\n<information>"), encode(byte_tokenizer, "</information>\n")
+    body = encode(byte_tokenizer, "Doc 1(Title: T1) about it\nDoc 2(Title: T2) about it\n")
+    assert SR1.observation_ids(byte_tokenizer, hits, 10_000) == head + body + tail
+    assert SR1.observation_ids(byte_tokenizer, hits, len(head) + len(tail) + 7) == head + body[:7] + tail
+
+
+def test_a_passage_cut_before_its_opening_parenthesis_is_not_shown(byte_tokenizer):
+    """A passage counts as shown from its "Doc k(" start on: a block cut right after "Doc 2" shows only the
+    first hit."""
+    hits = hits_of(2)
+    cut = encode(byte_tokenizer, "\n<information>Doc 1(Title: T1) x\nDoc 2</information>\n")
+    assert [h.id for h in SR1.shown(byte_tokenizer, hits, cut)] == ["1"]
+    whole = encode(byte_tokenizer, "\n<information>Doc 1(Title: T1) x\nDoc 2(Tit</information>\n")
+    assert [h.id for h in SR1.shown(byte_tokenizer, hits, whole)] == ["1", "2"]
+
+
+def test_every_latex_space_command_in_a_boxed_answer_is_a_space():
+    """LaTeX's medium space \\: (like \\, \\; and \\ ) separates words of a \\boxed{} answer, and between digit
+    groups of three it is a thousands separator."""
+    assert PP.parse(r"\boxed{New\:York}") == Action("answer", "New York")
+    assert PP.parse(r"\boxed{\text{Rio\:de\;Janeiro}}") == Action("answer", "Rio de Janeiro")
+    assert PP.parse(r"\boxed{2\:500}") == Action("answer", "2,500")
+
+
+def test_an_action_ends_at_its_first_closing_tag():
+    """The content of an answer or a search runs to the first closing tag after its opening one, not the last."""
+    assert SR1.parse("<answer> a </answer> b </answer>") == Action("answer", "a")
+    assert SR1.parse("<search> q </search> r </search>") == Action("search", "q")
+    assert PP.parse("<|begin_external_search|> q <|end_external_search|> r <|end_external_search|>") == \
+        Action("search", "q")
+
+
+def test_an_answer_written_inside_a_search_belongs_to_the_search():
+    """The action that opens first wins: an <answer> inside an open <search> is part of the query (as Search-R1's
+    `<(search|answer)>(.*?)</\\1>` scan reads it)."""
+    assert SR1.parse("<search> q <answer> a </answer> </search>") == Action("search", "q <answer> a </answer>")
+
+
+def test_digits_split_by_a_latex_space_are_grouped_only_by_three():
+    """A LaTeX space between digits is a thousands separator only before exactly three digits: 3\\,1415 stays
+    two numbers."""
+    assert PP.parse(r"\boxed{3\,1415}") == Action("answer", "3 1415")
+    assert PP.parse(r"\boxed{3\,141}") == Action("answer", "3,141")
+
+
+def test_queries_up_to_a_thousand_characters_are_kept_whole():
+    """A query of 1000 characters reaches the retriever unchanged; one of 1001 loses its last character."""
+    query = "where " * 166 + "is i"  # 1000 characters, several words
+    assert SR1.parse(f"<search> {query} </search>") == Action("search", query)
+    assert SR1.parse(f"<search> {query}z </search>") == Action("search", query)

@@ -33,10 +33,11 @@ class ScriptedSampler:
 
 class FakeRetriever:
     def __init__(self):
-        self.calls = []
+        self.calls, self.ks = [], []
 
     def search(self, queries, k):
         self.calls.append(list(queries))
+        self.ks.append(k)
         return [[Hit(id=f"{q}-{j}", title=f"T{j}", text=f"about {q} {j}", score=1.0 / (j + 1)) for j in range(k)]
                 for q in queries]
 
@@ -189,6 +190,10 @@ def test_tags_registered_as_special_tokens_still_parse(byte_tokenizer):
     assert tok.decode(tok.encode("<answer> x </answer>", add_special_tokens=False), skip_special_tokens=True) == " x "
     ro, _, retriever = _run(tok, ["q-answer", "q-search"], max_turns=2)
     assert ro.answers == ["Paris", "Paris"] and ro.searches.tolist() == [0, 1] and retriever.calls == [["france capital"]]
+    # the responses that rewards and format checks read keep the tags, the passages' too
+    assert ro.responses[0] == SCRIPTS["q-answer"][0]
+    assert ro.responses[1].startswith(SCRIPTS["q-search"][0] + "\n<information>Doc 1(Title: T0) about france capital 0\n")
+    assert ro.responses[1].endswith("</information>\n" + SCRIPTS["q-search"][1])
 
 
 def test_a_turn_opening_question_mid_line_is_not_cut(byte_tokenizer):
@@ -472,3 +477,41 @@ def test_a_turn_opening_with_a_newline_stop_after_a_newline_is_cut_there(byte_to
     assert ro.answers == ["Paris", "Lyon"] and ro.searches.tolist() == [1, 1]
     plain = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, P, list(scripts), topk=1, max_turns=3)
     assert plain.searches.tolist() == [2, 1]  # a protocol without it: the turn is the model's
+
+
+def test_an_answer_that_ends_exactly_at_max_len_counts(byte_tokenizer):
+    """A trajectory whose answer turn fills max_len to the last token has answered: nothing was cut."""
+    prompt = len(encode_prompt(byte_tokenizer, P, "q-answer"))
+    reply = len(byte_tokenizer.encode(SCRIPTS["q-answer"][0], add_special_tokens=False))
+    ro, _, _ = _run(byte_tokenizer, ["q-answer"], max_len=prompt + reply)
+    assert ro.input_ids.shape[1] == prompt + reply
+    assert ro.answers == ["Paris"] and ro.answered.tolist() == [True]
+    assert ro.loss_mask[0].tolist() == [0] * prompt + [1] * reply
+
+
+def test_the_retriever_is_asked_for_topk_passages(byte_tokenizer):
+    """Each search asks the retriever for exactly topk passages, and all of them are shown when they fit."""
+    for k in (1, 4):
+        sampler, retriever = ScriptedSampler(byte_tokenizer, SCRIPTS), FakeRetriever()
+        ro = rollout(sampler, retriever, byte_tokenizer, P, ["q-search"], topk=k, max_turns=2)
+        assert retriever.ks == [k]
+        assert [h.id for h in ro.docs[0]] == [f"france capital-{j}" for j in range(k)]
+        assert ro.responses[0].count("Doc ") == k
+
+
+def test_select_keeps_every_field_of_the_rows_it_picks(byte_tokenizer):
+    """Rollout.select(idx) gives rows idx, in that order, of the tensors and of the answers, responses and docs."""
+    ro, _, _ = _run(byte_tokenizer, ["q-answer", "q-search", "q-invalid"], max_turns=2)
+    sub = ro.select([2, 1])
+    assert sub.answers == ["Rome", "Paris"] and sub.responses == [ro.responses[2], ro.responses[1]]
+    assert [[h.id for h in d] for d in sub.docs] == [[], ["france capital-0", "france capital-1"]]
+    assert sub.searches.tolist() == [0, 1] and sub.turns.tolist() == [2, 2]
+    assert sub.input_ids.equal(ro.input_ids[[2, 1]]) and sub.loss_mask.equal(ro.loss_mask[[2, 1]])
+
+
+def test_a_turn_that_samples_nothing_still_counts_as_a_turn(byte_tokenizer):
+    """turns counts generate calls: a turn that returned no token is a turn (and an invalid action)."""
+    sampler = ScriptedSampler(byte_tokenizer, {"q-empty": ["", "<answer> Oslo </answer>"]})
+    ro = rollout(sampler, FakeRetriever(), byte_tokenizer, P, ["q-empty"], topk=1, max_turns=2)
+    assert ro.turns.tolist() == [2] and ro.answers == ["Oslo"]
+    assert ro.responses[0] == P.invalid_message + "<answer> Oslo </answer>"
