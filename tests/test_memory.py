@@ -462,7 +462,7 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens"])
-def test_merging_an_adapter_on_a_tied_matrix_gives_the_trained_model(tmp_path, targets, tie):
+def test_merging_an_adapter_on_the_embeddings_gives_the_trained_model(tmp_path, targets, tie):
     """With tied embeddings, a LoRA on lm_head (or embed_tokens) trains that use of the shared matrix
     alone; the merged model (what evaluate.py and `memory merge` load) gives the adapter model's
     logits, also after save_pretrained and a reload, instead of changing the other use too. Untied
