@@ -72,17 +72,27 @@ def byte_tokenizer():
     return make_byte_tokenizer()
 
 
-def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
+def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, tie: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True)
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=tie)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def give_lora_an_effect(model):
+    """`model` (a peft LoRA model) with random lora_B weights: peft starts them at zero, where the
+    adapter changes nothing."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
     return model
 
 

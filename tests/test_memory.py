@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import give_lora_an_effect, make_tiny_llama
 
 import train
 from searchlite.config import Config, ConfigError
@@ -41,12 +41,7 @@ def varied_reward(monkeypatch):
 
 
 def lora_model(tiny_llama, rank=4):
-    model = add_lora(tiny_llama, rank=rank, alpha=8.0, targets="q_proj,v_proj,down_proj")
-    with torch.no_grad():  # peft starts lora_B at zero (the adapter changes nothing); make it matter
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return model
+    return give_lora_an_effect(add_lora(tiny_llama, rank=rank, alpha=8.0, targets="q_proj,v_proj,down_proj"))
 
 
 def test_lora_reference_is_the_base_model(tiny_llama):
@@ -462,21 +457,19 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens"])
-def test_merging_an_adapter_on_the_embeddings_gives_the_trained_model(tmp_path, targets, tie):
+def test_merging_an_adapter_on_the_embeddings_gives_the_trained_model(tmp_path, byte_tokenizer, targets, tie):
     """With tied embeddings, a LoRA on lm_head (or embed_tokens) trains that use of the shared matrix
     alone; the merged model (what evaluate.py and `memory merge` load) gives the adapter model's
     logits, also after save_pretrained and a reload, instead of changing the other use too. Untied
     embeddings keep their own two matrices, and the merge gives the adapter model's logits too."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie))
+    base = make_tiny_llama(byte_tokenizer, hidden=32, layers=1, tie=tie)
     base.save_pretrained(tmp_path / "base")
     lora = add_lora(base, 4, 8.0, targets)
     for name, w in lora.named_parameters():
-        if "lora_" in name:
-            torch.nn.init.normal_(w, std=0.3)  # lora_B starts at zero: make the adapter change something
+        if "lora_" in name:  # lora_B and an embedding's lora_embedding_A start at zero: make the adapter matter
+            torch.nn.init.normal_(w, std=0.3)
     lora.save_pretrained(tmp_path / "adapter")
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

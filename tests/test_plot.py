@@ -5,13 +5,12 @@ import re
 
 import pytest
 
-from searchlite.data import DataError
+from searchlite.data import DataError, write_jsonl
 from searchlite.plot import labels, plot, read_metrics, series
 
 
 def write_run(folder, rows):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(folder / "metrics.jsonl", rows)
     return folder
 
 

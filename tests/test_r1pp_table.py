@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import load_bench
 
+from searchlite.data import write_jsonl
+
 
 @pytest.fixture(scope="module")
 def table():
@@ -15,10 +17,6 @@ def table():
 def hop(doc, answer, famous=False):
     """A hop whose query (an entity name) differs from its passage id, as in the toy world."""
     return {"query": f"entity {doc}", "doc_id": doc, "answer": answer, "famous": famous}
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture()

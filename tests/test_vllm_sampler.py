@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from conftest import give_lora_an_effect, make_tiny_llama
+from transformers import GenerationConfig
 
 from searchlite.config import TOY_DIR
 from searchlite.sampler import PromptTooLong, call_seed
@@ -179,11 +180,7 @@ def test_push_weights_of_a_lora_policy(engine, tok, prompts):
     peft = pytest.importorskip("peft")
     model = random_toy_model(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    lora = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)  # B starts at zero: give the adapter an effect
+    lora = give_lora_an_effect(peft.get_peft_model(model, config))
     want = hf_sampler(lora, tok).generate(prompts, greedy=True)
     with lora.disable_adapter():
         assert hf_sampler(lora, tok).generate(prompts, greedy=True) != want
@@ -582,23 +579,13 @@ def test_release_sleeps_once_and_the_push_wakes_the_engine(make_sampler, monkeyp
 # ------------------------------------------------ checkpoint_weights
 
 
-def small_llama(tie: bool) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tie)
-    return LlamaForCausalLM(config).eval()
-
-
-def lora_model(tie: bool, targets: list[str]):
+def lora_model(tok, tie: bool, targets: list[str]):
+    """A tiny model with a rank-2 adapter (alpha 6: scale 3) on `targets`, and its weights before it."""
     peft = pytest.importorskip("peft")
-    base = small_llama(tie)
+    base = make_tiny_llama(tok, tie=tie)
     plain = {k: v.clone() for k, v in base.state_dict().items()}
     lora = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets))
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)  # B starts at zero
-    return lora, plain
+    return give_lora_an_effect(lora), plain
 
 
 def merged_by_hand(lora, plain: dict) -> dict:
@@ -611,12 +598,12 @@ def merged_by_hand(lora, plain: dict) -> dict:
     return want
 
 
-def test_lora_weights_are_pushed_under_the_base_names_with_the_delta_added():
+def test_lora_weights_are_pushed_under_the_base_names_with_the_delta_added(byte_tokenizer):
     """An untied model with adapters on q_proj, down_proj and lm_head: the names are the plain
     model's, and each adapted matrix is base + B @ A * alpha / r."""
     from searchlite.vllm_sampler import checkpoint_weights
 
-    lora, plain = lora_model(False, ["q_proj", "down_proj", "lm_head"])
+    lora, plain = lora_model(byte_tokenizer, False, ["q_proj", "down_proj", "lm_head"])
     got = dict(checkpoint_weights(lora))
     want = merged_by_hand(lora, plain)
     assert list(got) == list(plain)
@@ -626,12 +613,12 @@ def test_lora_weights_are_pushed_under_the_base_names_with_the_delta_added():
         assert torch.allclose(got[k], want[k], atol=1e-6, rtol=0), k
 
 
-def test_a_merged_adapter_is_not_added_twice():
+def test_a_merged_adapter_is_not_added_twice(byte_tokenizer):
     """After peft's merge_adapter() the base weights already hold the delta: the pushed weights
     are the same as before the merge."""
     from searchlite.vllm_sampler import checkpoint_weights
 
-    lora, plain = lora_model(True, ["q_proj", "v_proj"])
+    lora, plain = lora_model(byte_tokenizer, True, ["q_proj", "v_proj"])
     before = dict(checkpoint_weights(lora))
     lora.merge_adapter()
     after = dict(checkpoint_weights(lora))
@@ -642,10 +629,10 @@ def test_a_merged_adapter_is_not_added_twice():
     assert not torch.equal(after[q], plain[q])  # the adapter has an effect
 
 
-def test_plain_model_weights_are_its_state_dict():
+def test_plain_model_weights_are_its_state_dict(byte_tokenizer):
     from searchlite.vllm_sampler import checkpoint_weights
 
-    model = small_llama(True)
+    model = make_tiny_llama(byte_tokenizer)
     got = list(checkpoint_weights(model))
     assert [n for n, _ in got] == list(model.state_dict())
     assert all(t is model.state_dict()[n] or torch.equal(t, model.state_dict()[n]) for n, t in got)
