@@ -50,7 +50,14 @@ def make(args):
     """The retriever the arguments name."""
     from searchlite.retrieval import build_retriever, index_kind, load_index
 
+    dense_only = [f"--{k}" for k in ("encoder", "pooling", "query_prefix") if getattr(args, k) is not None]
+    dense_only += ["--mmap"] * args.mmap  # flags only a dense index reads: each refused where it would be ignored
     if getattr(args, "url", None):
+        given = [f"--{k}" for k in ("corpus", "index") if getattr(args, k) is not None]
+        given += ["--kind"] * (args.kind != "auto") + dense_only
+        if given:
+            raise ValueError(f"{' and '.join(given)}: --url {args.url} searches the server's own index and "
+                             "encoder; give these to its retrieve.py serve")
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
     kind = None if args.kind == "auto" else args.kind
@@ -59,9 +66,8 @@ def make(args):
         dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
         kw = dense_kw if index_kind(args.index) == "dense" else {}
-        given = [f"--{k}" for k in ("encoder", "pooling", "query_prefix") if getattr(args, k) is not None]
-        if not kw and index_kind(args.index) and given:  # it was ignored without a word
-            raise ValueError(f"{' and '.join(given)}: --index {args.index} holds a {index_kind(args.index)} "
+        if not kw and index_kind(args.index) and dense_only:
+            raise ValueError(f"{' and '.join(dense_only)}: --index {args.index} holds a {index_kind(args.index)} "
                              "index, which encodes no queries; these flags are for a dense one")
         if kw and args.encoder:
             kw["encoder"] = args.encoder
@@ -76,6 +82,9 @@ def make(args):
     if args.index and not corpus:
         raise ValueError(f"--index {args.index} is a FAISS file: give --corpus, the corpus it was built over")
     kind = kind or ("dense" if args.index or args.encoder else "bm25")  # a FAISS file or an encoder means dense
+    if kind != "dense" and dense_only:
+        raise ValueError(f"{' and '.join(dense_only)}: for a dense retriever, which encodes queries; --kind {kind} "
+                         "does not")
     if kind == "dense" and not args.encoder:
         raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
                          "retrieve.py build wrote)")
@@ -175,11 +184,12 @@ def main(argv=None) -> None:
             a("--max_length", type=at_least(1), default=256, help="dense: tokens kept per passage and query (at most "
               "the encoder's positions)")
             a("--keep_shards", action="store_true", help="dense: keep the encoded shards after the build")
-            a("--k1", type=float, default=None, help="bm25: term-frequency saturation (default 1.5, bm25s's; Search-R1's "
-              "BM25 server, Pyserini, uses 0.9)")
+            a("--k1", type=float, default=None, help="bm25: term-frequency saturation (default 1.5, bm25s's; "
+              "Search-R1's BM25 server, Pyserini, uses 0.9)")
             a("--b", type=float, default=None, help="bm25: passage-length normalisation (default 0.75; Pyserini: 0.4)")
         elif name == "query":
-            a("--url", default=None, help="query a Search-R1-compatible server instead")
+            a("--url", default=None, help="query a Search-R1-compatible server instead (it searches with its "
+              "own index and encoder: no --corpus, --index, --kind or dense flags)")
             a("--k", type=int, default=3, help="passages per query (default 3)")
             a("queries", nargs="+", help="one or more queries")
         else:
@@ -219,7 +229,8 @@ def main(argv=None) -> None:
         t0 = time.time()
         retriever = make(args)
         if args.cmd == "serve":
-            print(f"loaded {type(retriever).__name__} in {time.time() - t0:.1f}s; serving http://{args.host}:{args.port}"
+            host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
+            print(f"loaded {type(retriever).__name__} in {time.time() - t0:.1f}s; serving http://{host}:{args.port}"
                   "/retrieve (schema at /docs)", flush=True)
             return serve(retriever, args.host, args.port, default_topk=args.topk, max_queries=args.max_queries,
                          max_query_chars=args.max_query_chars, batch_wait=args.batch_wait_ms / 1000)

@@ -1,0 +1,322 @@
+"""retrieve.py's command line end to end: the flags of `build` reach the index folder, `query`
+prints what the index finds and refuses what it cannot search, `serve` probes the port it
+will listen on and hands its address and request bounds to the server."""
+
+import json
+import re
+import socket
+
+import faiss
+import numpy as np
+import pytest
+from test_retrieval import CORPUS, _url, encoder_dir, server  # noqa: F401 (fixtures)
+from test_server import _never_load
+
+import retrieve
+import searchlite.server
+from searchlite import retrieval
+from searchlite.config import TOY_DIR
+from searchlite.data import lock_folder, passage_to_dict, read_corpus, write_jsonl
+from searchlite.indexing import BUILD_LOCK
+from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, load_index
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    """CORPUS (test_retrieval's ten passages) as a Search-R1 JSONL file."""
+    path = tmp_path / "c.jsonl"
+    write_jsonl(path, map(passage_to_dict, CORPUS))
+    return path
+
+
+@pytest.fixture
+def bm25_folder(tmp_path, corpus_file, capsys):
+    """A BM25 index folder over corpus_file, written by `retrieve.py build`."""
+    retrieve.main(["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "bm25")])
+    capsys.readouterr()
+    return tmp_path / "bm25"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record_serve(monkeypatch) -> dict:
+    """searchlite.server.serve replaced by a recorder of its host, port and settings; the index is not loaded."""
+    seen = {}
+    monkeypatch.setattr(retrieve, "make", lambda args: BM25Retriever(CORPUS))
+    monkeypatch.setattr(searchlite.server, "serve",
+                        lambda retriever, host, port, **settings: seen.update(host=host, port=port, **settings))
+    return seen
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def test_build_reports_the_folder_and_its_passage_count(tmp_path, corpus_file, capsys):
+    """`build` ends with one line naming the folder, the passages indexed (CORPUS's 10) and the seconds taken."""
+    retrieve.main(["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "i")])
+    out = capsys.readouterr().out
+    assert re.fullmatch(re.escape(f"wrote {tmp_path / 'i'}: 10 passages in ") + r"\d+\.\ds\n", out), out
+
+
+def test_bm25_build_takes_the_bounds_of_k1_and_b(tmp_path, corpus_file, capsys):
+    """--k1 0, --b 0 and --b 1 are in range (k1 >= 0, 0 <= b <= 1) and are the index's, not bm25s's
+    defaults (1.5, 0.75); a refusal reports each value under its own flag."""
+    for k1, b in (("0", "1"), ("2", "0")):
+        out = tmp_path / f"k{k1}b{b}"
+        retrieve.main(["build", "--corpus", str(corpus_file), "--k1", k1, "--b", b, "--out", str(out)])
+        index = load_index(out).index
+        assert (index.k1, index.b) == (float(k1), float(b))
+    with pytest.raises(SystemExit, match=r"^error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 \(got --k1 -1\.0, "
+                                         r"--b None\)$"):
+        retrieve.main(["build", "--corpus", str(corpus_file), "--k1", "-1", "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match=r"\(got --k1 None, --b 1\.5\)$"):
+        retrieve.main(["build", "--corpus", str(corpus_file), "--b", "1.5", "--out", str(tmp_path / "bad")])
+
+
+def test_build_into_a_folder_another_build_holds_names_that_folder(tmp_path, corpus_file):
+    """A second build into an --out another build is writing stops with a message naming that --out."""
+    out = tmp_path / "busy"
+    held = lock_folder(out, BUILD_LOCK)
+    try:
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: another retrieve.py build is writing to {out}; "
+                                                             "wait for it to finish, or choose another --out") + "$"):
+            retrieve.main(["build", "--corpus", str(corpus_file), "--out", str(out)])
+    finally:
+        held.close()
+    assert sorted(p.name for p in out.iterdir()) == [BUILD_LOCK]  # the other build's folder is left alone
+
+
+def test_dense_build_flags_reach_the_folder(tmp_path, corpus_file, encoder_dir, monkeypatch):
+    """A dense build keeps what its flags say: the pooling, both prefixes (the passages encoded with
+    --passage_prefix), --max_length, an HNSW index with its --search_params, the --keep_shards shards
+    of --shard_size passages, and the encoder run --batch_size passages at a time."""
+    enc = str(encoder_dir / "tiny-bert")
+    batch_sizes, real_init = [], TextEncoder.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        batch_sizes.append(self.batch_size)
+
+    monkeypatch.setattr(TextEncoder, "__init__", recording_init)
+    out = tmp_path / "d"
+    retrieve.main(["build", "--corpus", str(corpus_file), "--encoder", enc, "--pooling", "cls", "--query_prefix", "q: ",
+                   "--passage_prefix", "p: ", "--max_length", "16", "--faiss", "hnsw", "--search_params", "efSearch=16",
+                   "--keep_shards", "--shard_size", "4", "--batch_size", "3", "--out", str(out)])
+    assert batch_sizes == [3]
+    settings = json.loads((out / "dense.json").read_text())
+    assert {k: settings[k] for k in ("pooling", "query_prefix", "passage_prefix", "max_length", "search_params")} == {
+        "pooling": "cls", "query_prefix": "q: ", "passage_prefix": "p: ", "max_length": 16,
+        "search_params": "efSearch=16"}
+    index = faiss.read_index(str(out / "index.faiss"))
+    assert isinstance(faiss.downcast_index(index), faiss.IndexHNSWFlat) and index.ntotal == 10
+    want = TextEncoder(enc, "cls", max_length=16).encode(["p: " + p.contents for p in CORPUS])
+    np.testing.assert_allclose(index.reconstruct_n(0, 10), want, atol=1e-5)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["000000.npy", "000001.npy", "000002.npy",
+                                                                   "manifest.json"]  # 4 + 4 + 2 passages
+
+
+# ---------------------------------------------------------------------------- query
+
+
+def test_query_prints_ranked_passages_and_says_when_none_matched(bm25_folder, capsys):
+    """Each query is printed with its --k best passages (3 by default): rank, score to 3 decimals,
+    title, id, then the text; a query sharing no word with the corpus gets '(no passage matched)'."""
+    queries = ["hot water and the sun", "zzzz qqqq"]
+    retrieve.main(["query", "--index", str(bm25_folder), *queries])
+    expected = load_index(bm25_folder).search(queries, 3)
+    assert len(expected[0]) == 3 and expected[1] == []
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["query: hot water and the sun",
+                     *[line for rank, h in enumerate(expected[0], 1)
+                       for line in (f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})", f"     {h.text}")],
+                     "query: zzzz qqqq", "  (no passage matched)"]
+    assert re.fullmatch(r"  1\. \[\d\.\d{3}\] Espresso \(id v9\)", lines[1])  # the one with both "hot" and "water"
+    assert lines[2] == "     " + CORPUS[9].text
+    retrieve.main(["query", "--index", str(bm25_folder), "--k", "1", queries[0]])
+    assert capsys.readouterr().out.splitlines() == lines[:3]
+
+
+def test_query_reads_the_toy_corpus_by_its_toy_name(capsys):
+    """--corpus toy/corpus.jsonl names the toy world's corpus for query as it does for build."""
+    p = read_corpus(TOY_DIR / "corpus.jsonl")[7]
+    retrieve.main(["query", "--corpus", "toy/corpus.jsonl", "--k", "1", p.text])
+    assert "1. [" in (out := capsys.readouterr().out) and f"{p.title} (id {p.id})" in out
+
+
+def test_query_passes_mmap_and_device_to_a_dense_folder(tmp_path, corpus_file, encoder_dir, monkeypatch,
+                                                         capsys):
+    """--mmap and --device go to the dense index folder's loader (any device is taken here)."""
+    DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), max_length=48).save(tmp_path / "idx")
+    calls, real = [], retrieval.load_index
+    monkeypatch.setattr("searchlite.models.pick_device", lambda device: device)
+    monkeypatch.setattr(retrieval, "load_index",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **{**kw, "device": "cpu"}))
+    retrieve.main(["query", "--index", str(tmp_path / "idx"), "--corpus", str(corpus_file), "--mmap", "--device",
+                   "cuda:1", "--k", "1", "wooden string instrument played with a bow"])
+    assert calls == [{"kind": None, "device": "cuda:1", "mmap": True}]
+    assert "] Violin (id v1)" in capsys.readouterr().out
+
+
+def test_query_takes_an_empty_query_prefix_over_the_folders(tmp_path, corpus_file, encoder_dir, capsys):
+    """--query_prefix '' on a folder built with an E5 encoder (its query prefix 'query: ') encodes the
+    queries with no prefix: the scores printed are those of prefix-less queries."""
+    enc = str(encoder_dir / "tiny-e5-bert")
+    DenseRetriever(CORPUS, enc, max_length=48).save(tmp_path / "e5")
+    index = ["--index", str(tmp_path / "e5"), "--corpus", str(corpus_file), "--k", "1", "violin"]
+    printed = []
+    for flags in ([], ["--query_prefix", ""]):
+        retrieve.main(["query", *index, *flags])
+        printed.append(capsys.readouterr().out.splitlines()[1])
+    want = [DenseRetriever(CORPUS, enc, max_length=48, query_prefix=prefix).search(["violin"], 1)[0][0]
+            for prefix in ("query: ", "")]
+    assert [h.id for h in want] == ["v1", "v1"] and f"{want[0].score:.3f}" != f"{want[1].score:.3f}"
+    assert printed == [f"  1. [{h.score:.3f}] Violin (id v1)" for h in want]
+
+
+def test_query_with_an_encoder_alone_uses_its_pooling(corpus_file, encoder_dir, monkeypatch, capsys):
+    """query --encoder --pooling cls over a corpus encodes it with CLS pooling, as searching with that pooling does."""
+    made, real = [], retrieval.build_retriever
+    monkeypatch.setattr(retrieval, "build_retriever", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    q = "wooden string instrument"
+    retrieve.main(["query", "--encoder", str(encoder_dir / "tiny-bert"), "--pooling", "cls", "--corpus",
+                   str(corpus_file), "--k", "1", q])
+    assert [r.text_encoder.pooling for r in made] == ["cls"]
+    [[want]] = DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), pooling="cls").search([q], 1)
+    assert f"  1. [{want.score:.3f}] {want.title} (id {want.id})" in capsys.readouterr().out.splitlines()
+
+
+def test_query_refuses_flags_a_bm25_folder_would_ignore(bm25_folder):
+    """--encoder, and --query_prefix even when empty, are named on a BM25 folder; --kind dense or
+    rank_bm25 is not searched as the folder's bm25 index."""
+    for flags, named in ((["--encoder", "intfloat/e5-base-v2"], "--encoder"),
+                         (["--query_prefix", ""], "--query_prefix")):
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: {named}: --index {bm25_folder} holds a bm25 "
+                                                             "index, which encodes no queries")):
+            retrieve.main(["query", "--index", str(bm25_folder), *flags, "x"])
+    for kind in ("dense", "rank_bm25"):
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: {bm25_folder} holds a bm25 index, not a {kind} "
+                                                             "one") + "$"):
+            retrieve.main(["query", "--index", str(bm25_folder), "--kind", kind, "x"])
+
+
+def test_query_names_an_unfinished_or_missing_index(tmp_path):
+    """A folder without bm25.json or dense.json is 'not a finished index folder' (with --encoder too);
+    a path that is not there is named as such, in one line."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {tmp_path / 'empty'} is not a finished index "
+                                                         "folder (no bm25.json or dense.json)")):
+        retrieve.main(["query", "--index", str(tmp_path / "empty"), "--encoder", "x", "q"])
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: no index folder or FAISS file at {tmp_path / 'no'}")
+                                         + "$"):
+        retrieve.main(["query", "--index", str(tmp_path / "no"), "q"])
+
+
+def test_a_faiss_file_names_the_flags_it_needs(tmp_path, corpus_file):
+    """A FAISS file needs --corpus (the corpus it was built over) and --encoder, each named by its flag."""
+    faiss_file = tmp_path / "e5_Flat.index"
+    faiss_file.write_bytes(b"not read")
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --index {faiss_file} is a FAISS file: give --corpus, "
+                                                         "the corpus it was built over") + "$"):
+        retrieve.main(["query", "--index", str(faiss_file), "q"])
+    with pytest.raises(SystemExit, match="^" + re.escape("error: --kind dense needs --encoder (the sentence encoder) "
+                                                         "or --index (a folder that retrieve.py build wrote)") + "$"):
+        retrieve.main(["query", "--index", str(faiss_file), "--corpus", str(corpus_file), "q"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_query_of_a_server_does_not_check_the_device(server, capsys):
+    """query --url searches the server's index: --device (for a local encoder) is not checked, so
+    --device cuda on a machine without a GPU still prints the server's passages."""
+    retrieve.main(["query", "--url", _url(server), "--device", "cuda", "--k", "1", "what causes ocean tides"])
+    [[want]] = server.index.search(["what causes ocean tides"], 1)
+    assert capsys.readouterr().out.splitlines()[:2] == ["query: what causes ocean tides",
+                                                        f"  1. [{want.score:.3f}] Tides (id v8)"]
+
+
+def test_query_of_a_server_refuses_the_flags_of_a_local_index(server, corpus_file):
+    """query --url searches the server's index with the server's encoder: --corpus, --index, --kind and
+    the dense flags are named, not dropped, and the server is not asked."""
+    url = _url(server)
+    flags = ["--corpus", str(corpus_file), "--index", "/no/such/index", "--kind", "dense", "--encoder", "e5",
+             "--pooling", "cls", "--query_prefix", "q: ", "--mmap"]
+    with pytest.raises(SystemExit, match="^" + re.escape(
+            "error: --corpus and --index and --kind and --encoder and --pooling and --query_prefix and --mmap: "
+            f"--url {url} searches the server's own index and encoder; give these to its retrieve.py serve") + "$"):
+        retrieve.main(["query", "--url", url, *flags, "tides"])
+    with pytest.raises(SystemExit, match=r"^error: --query_prefix: --url "):
+        retrieve.main(["query", "--url", url, "--query_prefix", "", "tides"])
+    assert server.requests == []
+
+
+def test_query_of_a_corpus_refuses_the_flags_of_a_dense_index(corpus_file):
+    """Over a corpus indexed in memory by BM25, --query_prefix, --pooling (even mean) and --mmap would
+    be ignored: they are named instead."""
+    for flags, named in ((["--query_prefix", "query: "], "--query_prefix"), (["--pooling", "mean"], "--pooling"),
+                         (["--mmap"], "--mmap"), (["--kind", "rank_bm25", "--query_prefix", ""], "--query_prefix")):
+        kind = "rank_bm25" if "rank_bm25" in flags else "bm25"
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: {named}: for a dense retriever, which encodes "
+                                                             f"queries; --kind {kind} does not") + "$"):
+            retrieve.main(["query", "--corpus", str(corpus_file), *flags, "violin"])
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+def test_serve_on_a_free_port_passes_its_address_and_default_bounds(monkeypatch, capsys):
+    """A free port is not refused; the server gets --host and --port as given and the documented
+    defaults (topk 3, 4096 queries a request, 4096 characters a query, a 5 ms batch wait), and the
+    address printed is the one it serves."""
+    seen, port = _record_serve(monkeypatch), _free_port()
+    retrieve.main(["serve", "--host", "localhost", "--port", str(port)])
+    assert seen == {"host": "localhost", "port": port, "default_topk": 3, "max_queries": 4096,
+                    "max_query_chars": 4096, "batch_wait": 0.005}
+    assert capsys.readouterr().out.endswith(f"; serving http://localhost:{port}/retrieve (schema at /docs)\n")
+
+
+def test_serve_takes_a_topk_of_100(monkeypatch):
+    """--topk 100, the most a request may ask for, is a valid default."""
+    seen = _record_serve(monkeypatch)
+    monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)
+    retrieve.main(["serve", "--topk", "100"])
+    assert seen["default_topk"] == 100
+
+
+def test_serve_takes_a_port_whose_last_server_just_stopped(monkeypatch):
+    """A port whose server (listening with SO_REUSEADDR, as uvicorn does) has just stopped, leaving a
+    connection in TIME_WAIT, is not refused: a new server may listen there at once."""
+    seen = _record_serve(monkeypatch)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = listener.accept()
+            conn.close()  # the server's end closes first: it waits in TIME_WAIT
+    retrieve.main(["serve", "--port", str(port)])
+    assert seen["port"] == port
+
+
+def test_serve_probes_the_host_it_will_listen_on(monkeypatch):
+    """--host 0.0.0.0 (every address) with the port held on 127.0.0.1 is refused naming 0.0.0.0,
+    the address uvicorn would fail to listen on."""
+    monkeypatch.setattr(retrieve, "make", _never_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"^error: --host 0\.0\.0\.0 --port {port}: cannot listen there "):
+            retrieve.main(["serve", "--host", "0.0.0.0", "--port", str(port)])
+
+
+def test_serve_prints_an_ipv6_address_in_brackets(monkeypatch, capsys):
+    """--host ::1 is served at http://[::1]:PORT/retrieve, the form a URL (and --retriever_url) needs."""
+    seen = _record_serve(monkeypatch)
+    monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)
+    retrieve.main(["serve", "--host", "::1", "--port", "8123"])
+    assert seen["host"] == "::1"
+    assert capsys.readouterr().out.endswith("; serving http://[::1]:8123/retrieve (schema at /docs)\n")
