@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -1042,15 +1043,21 @@ class JudgeHandler(JSONHandler):
                                           "finish_reason": self.finish(text)}]})
 
 
-@pytest.fixture()
-def judge_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    JudgeHandler.seen = []
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+@contextmanager
+def serving(handler):
+    """A server on 127.0.0.1 answering with `handler` in a thread: its port, stopped on leaving."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield server.server_address[1]
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture()
+def judge_server():
+    JudgeHandler.seen = []
+    with serving(JudgeHandler) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 def test_judge_scores_records(judge_server, monkeypatch):
@@ -1463,6 +1470,12 @@ def refusal(argv) -> str:
     return e.value.code
 
 
+def other_settings(out, why: str) -> str:
+    """The refusal of a resume into `out` whose records were made otherwise (`why`)."""
+    return (f"error: {out} holds records made with other settings ({why}); pass --overwrite to start over, "
+            "or choose another --out")
+
+
 # ---------------------------------------------------------------------------- --data names
 
 
@@ -1634,9 +1647,7 @@ def test_a_resume_with_another_sampler_or_query_prefix_is_refused(world, tmp_pat
     """Both change the answers (another engine; other queries for a dense retriever)."""
     out = tmp_path / "out"
     evaluate.main(one_set(world, out))
-    assert refusal(one_set(world, out, flag, value)) == (
-        f"error: {out} holds records made with other settings ({change}); pass --overwrite to start over, "
-        "or choose another --out")
+    assert refusal(one_set(world, out, flag, value)) == other_settings(out, change)
 
 
 def test_a_refused_topk_names_the_flag_that_continues(world, tmp_path):
@@ -1644,8 +1655,7 @@ def test_a_refused_topk_names_the_flag_that_continues(world, tmp_path):
     out = tmp_path / "out"
     evaluate.main(one_set(world, out))
     assert refusal(one_set(world, out, "--topk", "2")) == (
-        f"error: {out} holds records made with other settings (topk: 3 -> 2); pass --overwrite to start over, "
-        "or choose another --out, or continue it with its settings: --topk 3")
+        other_settings(out, "topk: 3 -> 2") + ", or continue it with its settings: --topk 3")
 
 
 def test_a_folder_whose_first_run_stopped_before_an_answer_takes_new_settings(world, tmp_path, monkeypatch):
@@ -1683,9 +1693,8 @@ def test_a_set_name_stays_tied_to_its_file_after_runs_without_it(world, tmp_path
     shutil.copy(world / "alpha.jsonl", other)
     for data in (world / "alpha.jsonl", world / "beta.jsonl"):
         evaluate.main(cli(world, out, "--methods", "direct", "--data", str(data)))
-    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == (
-        f"error: {out} holds records made with other settings (--data alpha: {world / 'alpha.jsonl'} -> {other}); "
-        "pass --overwrite to start over, or choose another --out")
+    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == other_settings(
+        out, f"--data alpha: {world / 'alpha.jsonl'} -> {other}")
 
 
 def test_another_file_under_a_set_name_is_named_once(world, tmp_path):
@@ -1694,9 +1703,8 @@ def test_another_file_under_a_set_name_is_named_once(world, tmp_path):
     other.parent.mkdir()
     other.write_text((world / "alpha.jsonl").read_text().replace("river", "stream"))
     evaluate.main(cli(world, out, "--methods", "direct", "--data", str(world / "alpha.jsonl")))
-    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == (
-        f"error: {out} holds records made with other settings (--data alpha: {world / 'alpha.jsonl'} -> {other}); "
-        "pass --overwrite to start over, or choose another --out")
+    assert refusal(cli(world, out, "--methods", "direct", "--data", str(other))) == other_settings(
+        out, f"--data alpha: {world / 'alpha.jsonl'} -> {other}")
 
 
 def test_another_model_is_refused_by_name_alone(world, tmp_path):
@@ -1707,9 +1715,8 @@ def test_another_model_is_refused_by_name_alone(world, tmp_path):
     config.write_text(config.read_text().replace("{", '{"model_max_length": 77, ', 1))
     out = tmp_path / "out"
     evaluate.main(one_set(world, out))
-    assert refusal(one_set(world, out, "--model", str(other))) == (
-        f"error: {out} holds records made with other settings (model: {str(world / 'model')!r} -> {str(other)!r}); "
-        "pass --overwrite to start over, or choose another --out")
+    assert refusal(one_set(world, out, "--model", str(other))) == other_settings(
+        out, f"model: {str(world / 'model')!r} -> {str(other)!r}")
 
 
 def test_a_weight_file_added_to_the_model_is_named(world, tmp_path):
@@ -1718,9 +1725,8 @@ def test_a_weight_file_added_to_the_model_is_named(world, tmp_path):
     shutil.copytree(world / "model", model)
     evaluate.main(one_set(world, out, "--model", str(model)))
     (model / "extra.bin").write_bytes(b"more weights")
-    assert refusal(one_set(world, out, "--model", str(model))) == (
-        f"error: {out} holds records made with other settings (the model's weights changed: extra.bin in {model}); "
-        "pass --overwrite to start over, or choose another --out")
+    assert refusal(one_set(world, out, "--model", str(model))) == other_settings(
+        out, f"the model's weights changed: extra.bin in {model}")
 
 
 def test_a_resume_refuses_a_chat_template_file_changed_in_place(world, tmp_path):
@@ -1731,9 +1737,8 @@ def test_a_resume_refuses_a_chat_template_file_changed_in_place(world, tmp_path)
     evaluate.main(one_set(world, out, "--model", str(model)))
     assert "chat_template.jinja" in json.loads((out / "run.json").read_text())["tokenizer_files"]
     (model / "chat_template.jinja").write_text("Q: {{ messages[0]['content'] }}")
-    assert refusal(one_set(world, out, "--model", str(model))) == (
-        f"error: {out} holds records made with other settings (the tokenizer changed: chat_template.jinja in "
-        f"{model}); pass --overwrite to start over, or choose another --out")
+    assert refusal(one_set(world, out, "--model", str(model))) == other_settings(
+        out, f"the tokenizer changed: chat_template.jinja in {model}")
 
 
 def test_records_asked_partly_without_search_r1s_question_mark_are_not_reused(world, tmp_path):
@@ -1771,13 +1776,9 @@ class RetrievalHandler(JSONHandler):
 
 @pytest.fixture()
 def retrieval_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RetrievalHandler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
     RetrievalHandler.requests = []
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(RetrievalHandler) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_rag_searches_a_retrieval_server_and_run_json_names_it(world, tmp_path, retrieval_server):
@@ -1791,9 +1792,8 @@ def test_rag_searches_a_retrieval_server_and_run_json_names_it(world, tmp_path, 
     records = json.loads((out / "results.json").read_text())["records"]["beta"]["rag"]
     assert [d["id"] for d in records[0]["docs"]] == ["7", "7"]
     other = retrieval_server.replace("127.0.0.1", "localhost")
-    assert refusal(one_set(world, out, "--methods", "rag", "--topk", "2", "--retriever_url", other)) == (
-        f"error: {out} holds records made with other settings (retriever: {retrieval_server!r} -> {other!r}); "
-        "pass --overwrite to start over, or choose another --out")
+    assert refusal(one_set(world, out, "--methods", "rag", "--topk", "2", "--retriever_url", other)) == other_settings(
+        out, f"retriever: {retrieval_server!r} -> {other!r}")
 
 
 def test_a_server_that_refuses_the_topk_stops_the_run_before_the_model_loads(world, tmp_path, retrieval_server,
