@@ -18,7 +18,8 @@ among them, in a worker thread, and hands each request its share; that is one en
 and one FAISS search instead of one per request. A batch whose search fails is searched again
 request by request, so that only the request at fault is answered 500; a batcher that fails
 answers the requests it holds 500, never leaves them waiting. The answer is turned into JSON in a worker
-thread too, so a large one does not stall other requests. Left out on purpose:
+thread too, so a large one does not stall other requests; a NaN or infinite score, which JSON
+cannot hold, is answered 500 as well. Left out on purpose:
 authentication and TLS; the server binds 127.0.0.1 unless told otherwise.
 
 Where it differs from Search-R1's server (search_r1/search/retrieval_server.py):
@@ -266,7 +267,10 @@ def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_q
         except Exception as e:
             return JSONResponse({"detail": f"search failed: {type(e).__name__}: {e}"}, status_code=500)
         # In a worker thread: a 57 MB answer took 2 s to write, and on the event loop it held up every request.
-        body = await asyncio.get_running_loop().run_in_executor(None, _answer, found, req.return_scores)
+        try:
+            body = await asyncio.get_running_loop().run_in_executor(None, _answer, found, req.return_scores)
+        except ValueError:  # json.dumps(allow_nan=False): a score JSON cannot hold
+            return JSONResponse({"detail": "search failed: a passage's score is NaN or infinite"}, status_code=500)
         return Response(content=body, media_type="application/json")
 
     @app.get("/health", response_model=Health)

@@ -1,13 +1,25 @@
 """retrieve.py's command line around the retrieval server: `serve` checks for FastAPI and its
 flags before the index loads (minutes on wiki-18) and hands them to make_app; a bad flag is
-named in the error. The server itself is tested in test_retrieval_scale.py."""
+named in the error. Then the server's edges: topk and body-size bounds inclusive, JSON error
+positions, /health for a retriever without a passage count, a NaN score answered as an error,
+requests held by a stopped batcher answered, the batch wait, and `serve`'s address and
+settings. Its round trip, validation, batching, load and fuzz tests are in test_retrieval_scale.py."""
 
+import asyncio
+import json
 import re
 import sys
+import threading
 
 import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from test_retrieval_scale import QUERIES, CountingRetriever, _post, running, served, toy_passages  # noqa: F401
 
 import retrieve
+import searchlite.server
+from searchlite.retrieval import BM25Retriever, Hit
+from searchlite.server import Batcher, make_app
 
 
 def _never_load(args):
@@ -44,8 +56,6 @@ def test_serve_refuses_a_port_another_server_holds_before_loading(monkeypatch):
 
 
 def test_serve_passes_its_flags_to_the_app(monkeypatch):
-    import searchlite.server
-
     seen = {}
     monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)  # port 8000 may be taken here
     monkeypatch.setattr(searchlite.server, "serve", lambda retriever, host, port, **settings: seen.update(settings))
@@ -63,3 +73,136 @@ def test_query_errors_name_the_flag(tmp_path):
         with pytest.raises(SystemExit, match="^" + re.escape(expected + "`retrieve.py build`")):
             retrieve.main(["query", "--index", str(faiss_file), "--kind", kind, "--corpus", "toy/corpus.jsonl",
                            "who?"])
+
+
+# ---------------------------------------------------------------------------- the server's edges
+
+
+def test_topk_100_is_served_and_a_boolean_topk_is_refused(served):
+    """100 is the top of topk's range, so it is answered; `true` is not a JSON integer, so it is a 422
+    (pydantic alone would read it as 1)."""
+    url, r = served
+    q = QUERIES[0]
+    code, reply = _post(url, json.dumps({"queries": [q], "topk": 100}).encode())
+    assert code == 200 and [d["id"] for d in reply["result"][0]] == [h.id for h in r.inner.search([q], 100)[0]]
+    for flag in (True, False):
+        code, reply = _post(url, json.dumps({"queries": [q], "topk": flag}).encode())
+        assert (code, reply) == (422, {"detail": "topk: Value error, Input should be a valid integer"}), flag
+
+
+def test_a_body_of_exactly_max_body_bytes_is_read(toy_passages):
+    """max_body_bytes is the largest body taken: one byte more is a 413."""
+    r = BM25Retriever(toy_passages[:5])
+    body = json.dumps({"queries": [toy_passages[0].title], "topk": 1}).encode()
+    with running(make_app(r, max_body_bytes=100)) as url:
+        exact = body[:-1] + b" " * (100 - len(body)) + b"}"
+        assert len(exact) == 100
+        code, reply = _post(url, exact)
+        assert code == 200 and [d["id"] for d in reply["result"][0]] == [r.search([toy_passages[0].title], 1)[0][0].id]
+        assert _post(url, exact[:-1] + b" }") == (413, {"detail": "request body over 100 bytes"})
+
+
+def test_a_body_that_is_not_json_names_the_character_where_it_breaks(served):
+    code, reply = _post(served[0], b'{"queries": [')
+    assert (code, reply) == (422, {"detail": "body: not valid JSON (Expecting value at character 13; "
+                                             "send a JSON object)"})
+
+
+def test_health_of_a_retriever_without_a_passage_count_says_null():
+    class Countless:
+        def search(self, queries, k):
+            return [[] for _ in queries]
+
+    with TestClient(make_app(Countless())) as client:
+        reply = client.get("/health")
+    assert (reply.status_code, reply.json()) == (200, {"status": "ok", "passages": None})
+
+
+def test_a_nan_score_is_a_server_error_not_a_nan_in_the_json():
+    """JSON has no NaN: an answer holding one is a 500 with a JSON detail, as every error is, never
+    sent as `NaN` for a strict client to choke on."""
+    class NanScores:
+        def search(self, queries, k):
+            return [[Hit("1", "T", "x", float("nan"))] for _ in queries]
+
+    body = json.dumps({"queries": ["a"], "topk": 1, "return_scores": True}).encode()
+    with running(make_app(NanScores())) as url:
+        assert _post(url, body) == (500, {"detail": "search failed: a passage's score is NaN or infinite"})
+
+
+def test_a_stopped_batcher_answers_the_batch_it_searches_the_one_waiting_and_the_queued():
+    """Stopped (a shutdown's cancel) while it searches one batch, with a request that did not fit
+    waiting to lead the next and another still queued, the batcher answers all three with
+    RuntimeError('the search batcher was stopped'); none is left waiting."""
+    release, searching = threading.Event(), threading.Event()
+
+    class Blocking:
+        def search(self, queries, k):
+            searching.set()
+            release.wait(5)
+            return [[] for _ in queries]
+
+    async def three():
+        batcher = Batcher(Blocking(), wait=0.01, max_batch=1)
+        futs = [asyncio.ensure_future(batcher.search([q], 1)) for q in QUERIES[:3]]
+        await asyncio.sleep(0)  # all three queued
+        while not searching.is_set():
+            await asyncio.sleep(0.005)
+        batcher.task.cancel()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 3)
+        finally:
+            release.set()
+
+    answers = asyncio.run(three())
+    assert [(type(a), str(a)) for a in answers] == [(RuntimeError, "the search batcher was stopped")] * 3
+
+
+def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
+    """batch_wait is how long the batcher waits after the first request for others to join it."""
+    r = CountingRetriever(toy_passages)
+
+    async def two():
+        batcher = Batcher(r, wait=0.3, max_batch=4096)
+        try:
+            first = asyncio.ensure_future(batcher.search([QUERIES[0]], 2))
+            await asyncio.sleep(0.05)  # well inside the wait
+            return await asyncio.gather(first, batcher.search([QUERIES[1]], 2))
+        finally:
+            batcher.task.cancel()
+
+    first, second = asyncio.run(two())
+    assert first == r.inner.search([QUERIES[0]], 2) and second == r.inner.search([QUERIES[1]], 2)
+    assert r.calls == [2]
+
+
+def test_serve_binds_loopback_and_passes_its_settings_to_the_app(monkeypatch, toy_passages):
+    """serve runs uvicorn on 127.0.0.1:8000 unless told otherwise, without an access log, and its
+    settings reach make_app (here: default_topk)."""
+    seen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append((app, kw)))
+    r = BM25Retriever(toy_passages)
+    searchlite.server.serve(r, default_topk=5)
+    searchlite.server.serve(r, host="0.0.0.0", port=9000)
+    assert [kw for _, kw in seen] == [{"host": "127.0.0.1", "port": 8000, "access_log": False},
+                                      {"host": "0.0.0.0", "port": 9000, "access_log": False}]
+    with TestClient(seen[0][0]) as client:
+        reply = client.post("/retrieve", json={"queries": [QUERIES[0]]})
+    assert [d["id"] for d in reply.json()["result"][0]] == [h.id for h in r.search([QUERIES[0]], 5)[0]]
+
+
+def test_max_batch_counts_queries_not_requests(toy_passages):
+    """Requests of several queries fill a batch by their queries: 1 + 2 queries fit in 4, a third
+    request of 2 leads the next batch."""
+    r = CountingRetriever(toy_passages)
+    jobs = [QUERIES[0:1], QUERIES[1:3], QUERIES[3:5], QUERIES[5:7]]
+
+    async def all_jobs():
+        batcher = Batcher(r, wait=0.05, max_batch=4)
+        try:
+            return await asyncio.gather(*(batcher.search(qs, 2) for qs in jobs))
+        finally:
+            batcher.task.cancel()
+
+    assert asyncio.run(all_jobs()) == [r.inner.search(qs, 2) for qs in jobs]
+    assert r.calls == [3, 4]
