@@ -163,7 +163,7 @@ def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
     r = CountingRetriever(toy_passages)
 
     async def two():
-        batcher = Batcher(r, wait=0.3, max_batch=4096)
+        batcher = Batcher(r, wait=1.0, max_batch=4096)  # a stall under 0.95 s keeps the second in
         try:
             first = asyncio.ensure_future(batcher.search([QUERIES[0]], 2))
             await asyncio.sleep(0.05)  # well inside the wait
