@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from searchlite import model_spec
+from searchlite import model_spec, models
 from searchlite.config import TOY_DIR
 from searchlite.protocol import TEMPLATE_DIR
 
@@ -298,3 +298,132 @@ def test_a_relative_path_of_a_run_stays_as_typed_where_the_runs_folder_lacks_it(
     args = argparse.Namespace(data=None, corpus=None)
     model_spec.fill_run_settings(args, run / "config.json", {"data": "toy/test.jsonl", "corpus": "toy/corpus.jsonl"})
     assert args.data == "data/q.jsonl" and args.corpus == str(tmp_path / "data" / "c.jsonl")
+
+
+def test_a_config_json_without_both_prompt_settings_is_no_runs(tmp_path):
+    """Only a config.json with both "protocol" and "template" (as a dict) is a train.py run's: a model
+    folder whose config.json has one of them, or holds no object, is a model folder."""
+    (tmp_path / "config.json").write_text(json.dumps({"template": "llama", "model_type": "llama"}))
+    assert model_spec.run_config(tmp_path) is None
+    assert model_spec.resolve_model(str(tmp_path)) == ("hf", str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(["protocol", "template"]))
+    assert model_spec.run_config(tmp_path) is None
+
+
+def test_a_plain_model_is_asked_with_the_default_prompt_settings(tmp_path):
+    """A model that is no train.py run gets search_r1 tags, the toy template, its chat template and
+    4 turns, unless flags say otherwise."""
+    (tmp_path / "config.json").write_text("{}")
+    args = SimpleNamespace(model=str(tmp_path), protocol=None, template=None, chat_template=None, max_turns=None)
+    assert model_spec.fill_prompt_settings(args) is None
+    assert (args.protocol, args.template, args.chat_template, args.max_turns) == ("search_r1", "toy", True, 4)
+
+
+def test_the_weights_digest_of_a_gguf_file_and_of_a_bin_folder(tmp_path):
+    """A .gguf model's digest holds the file itself; a folder of pytorch_model.bin weights holds them."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"x" * 28)
+    one = model_spec.weights_digest(str(gguf))
+    assert set(one) == {"m.gguf"}
+    gguf.write_bytes(b"GGUF" + b"y" * 28)
+    assert model_spec.weights_digest(str(gguf)) != one
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"weights")
+    (folder / "notes.txt").write_text("not weights")
+    assert set(model_spec.weights_digest(str(folder))) == {"pytorch_model.bin"}
+    assert model_spec.weights_digest("Qwen/Qwen2.5-3B-Instruct") is None  # a hub name: nothing to read here
+
+
+def test_the_weights_digest_sees_a_file_that_grew_in_the_middle(tmp_path):
+    """A file with the same first and last sampled bytes but another size has another digest."""
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"head" * 4 + b"m" * 32 + b"tail" * 4)
+    one = model_spec.weights_digest(str(tmp_path), sample=16)
+    weights.write_bytes(b"head" * 4 + b"m" * 48 + b"tail" * 4)
+    assert model_spec.weights_digest(str(tmp_path), sample=16) != one
+
+
+def test_a_file_that_is_no_gguf_is_no_model(tmp_path):
+    """--model naming a file other than a .gguf (a config.json, a weights file) is refused, saying so."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(model_spec.ModelError, match=r"config\.json is not a model"):
+        model_spec.resolve_model(str(tmp_path / "config.json"))
+
+
+def test_a_lora_checkpoint_resolves_to_its_adapter_folder(tmp_path):
+    """A LoRA run's checkpoint holds adapter_config.json and no config.json: it is the model."""
+    policy = tmp_path / "run" / "checkpoint" / "policy"
+    policy.mkdir(parents=True)
+    (policy / "adapter_config.json").write_text("{}")
+    assert model_spec.resolve_model(str(tmp_path / "run")) == ("hf", str(policy))
+
+
+def test_a_missing_local_path_is_not_taken_for_a_hub_name(tmp_path, monkeypatch):
+    """A path that is not here (a mistyped run folder) says it does not exist; org/name is a hub name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(model_spec.ModelError, match=r"runs/nosuch does not exist"):
+        model_spec.resolve_model("runs/nosuch")
+    with pytest.raises(model_spec.ModelError, match=r"nosuch does not exist"):
+        model_spec.resolve_model("nosuch")
+    assert model_spec.resolve_model("Qwen/Qwen2.5-3B-Instruct") == ("hf", "Qwen/Qwen2.5-3B-Instruct")
+
+
+def test_the_cache_is_under_home_unless_searchlite_cache_says(tmp_path, monkeypatch):
+    """Converted models are cached in ~/.cache/searchlite, or $SEARCHLITE_CACHE when it is set."""
+    monkeypatch.delenv("SEARCHLITE_CACHE", raising=False)
+    monkeypatch.setattr(model_spec.Path, "home", classmethod(lambda cls: tmp_path / "home"))
+    assert model_spec.cache_root() == tmp_path / "home" / ".cache" / "searchlite"
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "elsewhere"))
+    assert model_spec.cache_root() == tmp_path / "elsewhere"
+
+
+def test_a_gguf_without_accelerate_says_what_to_install(tmp_path, monkeypatch):
+    """Converting a GGUF file needs accelerate as well as gguf: without it, a one-line ModelError."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
+    real_find_spec = model_spec.importlib.util.find_spec
+    monkeypatch.setattr(model_spec.importlib.util, "find_spec",
+                        lambda m: None if m == "accelerate" else object() if m == "gguf" else real_find_spec(m))
+    with pytest.raises(model_spec.ModelError, match=r"needs the package\(s\) accelerate: pip install gguf accelerate"):
+        model_spec.gguf_to_folder(str(gguf))
+
+
+def test_a_model_that_fails_to_load_with_a_value_error_is_a_model_error(tmp_path, monkeypatch):
+    """A ValueError from loading (e.g. an unknown model type) is told in one line as a ModelError."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: object())
+
+    def broken(folder, dtype, device):
+        raise ValueError("Unrecognized model in folder.\nmore detail")
+
+    monkeypatch.setattr(models, "load_policy", broken)
+    with pytest.raises(model_spec.ModelError, match=rf"could not load {tmp_path}: Unrecognized model in folder\.$"):
+        model_spec.load_model(str(tmp_path))
+
+
+def test_a_runs_toy_paths_stay_the_embedded_toy_world(tmp_path):
+    """A run's `toy/...` path names the embedded toy world even where the folder it ran in has a toy/ of its own."""
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"out_dir": "runs/x", "corpus": "toy/corpus.jsonl"}))
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "corpus.jsonl").write_text("")
+    args = argparse.Namespace(corpus=None)
+    model_spec.fill_run_settings(args, run / "config.json", {"corpus": "toy/other.jsonl"})
+    assert args.corpus == "toy/corpus.jsonl"
+
+
+def test_a_run_setting_equal_to_the_default_is_not_announced(tmp_path, capsys):
+    """Only a run's settings that differ from the defaults are printed as taken from the run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"topk": 3, "max_len": 512}))
+    args = argparse.Namespace(topk=None, max_len=None)
+    model_spec.fill_run_settings(args, run / "config.json", {"topk": 3, "max_len": 256})
+    assert (args.topk, args.max_len) == (3, 512)
+    assert capsys.readouterr().out == f"--max_len 512: as trained ({run / 'config.json'})\n"
