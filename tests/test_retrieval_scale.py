@@ -815,15 +815,20 @@ def test_malformed_json_and_oversized_body(served):
     assert code == 413 and "100 bytes" in reply["detail"]
 
 
-def test_a_batch_holds_at_most_max_batch_queries_in_arrival_order(toy_passages):
+@pytest.mark.parametrize("jobs, calls", [
+    ([QUERIES[0:3], QUERIES[3:6], QUERIES[6:7], QUERIES[0:5], QUERIES[7:9]], [3, 3 + 1, 5, 2]),  # 5: alone
+    ([QUERIES[0:1], QUERIES[1:3], QUERIES[3:5], QUERIES[5:7]], [1 + 2, 2 + 2]),
+])
+def test_a_batch_holds_at_most_max_batch_queries_in_arrival_order(toy_passages, jobs, calls):
     """The batcher took one more request whenever the batch was under max_batch, so a batch
-    reached almost twice that; a request that does not fit now leads the next batch."""
+    reached almost twice that; a request that does not fit now leads the next batch. A batch is
+    filled by queries, not requests: a request over max_batch runs alone, and 1 + 2 queries leave
+    no room for 2 more."""
     import asyncio
 
     from searchlite.server import Batcher
 
     r = CountingRetriever(toy_passages)
-    jobs = [QUERIES[0:3], QUERIES[3:6], QUERIES[6:7], QUERIES[0:5], QUERIES[7:9]]  # 3, 3, 1, 5, 2 queries
 
     async def all_jobs():
         batcher = Batcher(r, wait=0.01, max_batch=4)
@@ -834,7 +839,7 @@ def test_a_batch_holds_at_most_max_batch_queries_in_arrival_order(toy_passages):
 
     found = asyncio.run(all_jobs())
     assert found == [r.inner.search(qs, 2) for qs in jobs]
-    assert r.calls == [3, 3 + 1, 5, 2]  # a request over max_batch runs alone
+    assert r.calls == calls
 
 
 def test_a_client_gone_from_a_batch_does_not_shift_the_others_hits(toy_passages):

@@ -189,20 +189,3 @@ def test_serve_binds_loopback_and_passes_its_settings_to_the_app(monkeypatch, to
     with TestClient(seen[0][0]) as client:
         reply = client.post("/retrieve", json={"queries": [QUERIES[0]]})
     assert [d["id"] for d in reply.json()["result"][0]] == [h.id for h in r.search([QUERIES[0]], 5)[0]]
-
-
-def test_max_batch_counts_queries_not_requests(toy_passages):
-    """Requests of several queries fill a batch by their queries: 1 + 2 queries fit in 4, a third
-    request of 2 leads the next batch."""
-    r = CountingRetriever(toy_passages)
-    jobs = [QUERIES[0:1], QUERIES[1:3], QUERIES[3:5], QUERIES[5:7]]
-
-    async def all_jobs():
-        batcher = Batcher(r, wait=0.05, max_batch=4)
-        try:
-            return await asyncio.gather(*(batcher.search(qs, 2) for qs in jobs))
-        finally:
-            batcher.task.cancel()
-
-    assert asyncio.run(all_jobs()) == [r.inner.search(qs, 2) for qs in jobs]
-    assert r.calls == [3, 4]
