@@ -4,6 +4,7 @@ faiss file loaded as they are, and the HTTP server (Search-R1 round trip, valida
 batching, a 32-client load test, schemathesis fuzzing against its own OpenAPI schema)."""
 
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from conftest import save_bag_of_words_bert
 
 from searchlite.bm25 import tokenize
 from searchlite.config import TOY_DIR
-from searchlite.corpus import Corpus
+from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
 from searchlite.data import DataError, Passage, passage_to_dict, read_corpus, write_jsonl
 from searchlite.indexing import build_bm25_folder, build_dense_folder, checked_faiss, encode_shards, faiss_factory
 from searchlite.retrieval import (BM25Retriever, DenseRetriever, HTTPRetriever, TextEncoder, build_retriever,
@@ -157,6 +158,116 @@ def test_corpus_reads_all_bytes_of_a_batch(tmp_path, monkeypatch, toy_passages):
         f.truncate(1000)  # the file shrinks after its lines were scanned
     with pytest.raises(DataError, match=re.escape(f"{p}: the file ends at byte 1000")):
         list(c.batches(200))
+
+
+def _rows(*ids):
+    return "".join(json.dumps({"id": i, "text": f"t{i}"}) + "\n" for i in ids)
+
+
+def test_a_carriage_return_only_line_is_blank_to_both_readers(tmp_path):
+    """A line holding only "\\r" (a CRLF file's empty line) is skipped, and later passages keep
+    their line numbers."""
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"id": "0", "text": "a"}\r\n\r\n{"id": "1", "text": "b"}\r\n\r\n{"text": "c"}\r\n')
+    want = read_corpus(p)
+    assert [x.id for x in want] == ["0", "1", "4"]
+    c = Corpus(p)
+    assert len(c) == 3 and list(c) == want and c.line_no(2) == 5
+
+
+def test_offsets_cache_is_not_reused_after_an_edit_of_the_same_size(tmp_path):
+    """An edit that keeps the file's size but moves its line breaks (a later modification time)
+    is scanned again, not read through the old offsets."""
+    p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
+    p.write_text(_rows("1", "2", "333"))
+    assert [x.id for x in Corpus(p, offsets=cache)] == ["1", "2", "333"]
+    st = p.stat()
+    p.write_text(_rows("1", "22", "33"))
+    assert p.stat().st_size == st.st_size
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert [x.id for x in Corpus(p, offsets=cache)] == ["1", "22", "33"]
+
+
+def test_offsets_cache_is_not_reused_after_the_file_grows_with_its_time_kept(tmp_path):
+    """A file given back its old modification time (`touch -r`) but holding more lines is
+    scanned again: the size is part of what the cache must match."""
+    p, cache = tmp_path / "c.jsonl", tmp_path / "offsets.npz"
+    p.write_text(_rows("1", "2"))
+    assert len(Corpus(p, offsets=cache)) == 2
+    st = p.stat()
+    p.write_text(_rows("1", "2", "3"))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    c = Corpus(p, offsets=cache)
+    assert len(c) == 3 and c[2] == Passage("3", "", "t3")
+
+
+def test_a_line_emptied_after_the_scan_is_named(tmp_path):
+    """A passage overwritten in place with spaces after the file was opened raises a DataError
+    naming the file and line and saying the file changed."""
+    p = tmp_path / "c.jsonl"
+    p.write_text(_rows("1", "2", "3"))
+    c = Corpus(p)
+    data = p.read_bytes().split(b"\n")
+    data[1] = b" " * len(data[1])
+    p.write_bytes(b"\n".join(data))
+    assert c[0].id == "1" and c[2].id == "3"
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: a line of only whitespace") + ".*the file changed"):
+        c[1]
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: a line of only whitespace")):
+        list(c)
+
+
+def test_corpus_indices_are_integers_within_range(toy_passages):
+    """Booleans and floats are refused with a TypeError; -len(corpus) is the first passage and
+    len(corpus) is out of range, as for a list."""
+    c = Corpus(TOY)
+    n = len(c)
+    for bad in (True, False, 1.0, "1"):
+        with pytest.raises(TypeError, match="Corpus indices must be integers"):
+            c[bad]
+    assert c[-n] == toy_passages[0] and c[-1] == toy_passages[-1]
+    for out in (n, -n - 1):
+        with pytest.raises(IndexError, match=f"passage {out} out of range"):
+            c[out]
+
+
+@pytest.mark.parametrize("text", ["", "\n \n\t\n"])
+def test_open_corpus_refuses_a_file_without_passages(tmp_path, text):
+    """A corpus file with no passages (empty, or blank lines only) is a DataError naming it."""
+    p = tmp_path / "empty.jsonl"
+    p.write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"{p}: no passages in the corpus file")):
+        open_corpus(p)
+    p.write_text(_rows("1"))
+    assert [x.id for x in open_corpus(p)] == ["1"]
+
+
+def test_batches_start_where_asked_for_a_corpus_and_a_list(toy_passages):
+    """`batches` yields (first index, passages) from `start` on, the same for a lazy corpus
+    and a list of passages."""
+    want = [(s, toy_passages[s:s + 150]) for s in range(390, len(toy_passages), 150)]
+    assert list(batches(toy_passages, 150, start=390)) == want
+    assert list(batches(Corpus(TOY), 150, start=390)) == want
+
+
+def test_sample_ids_digest_covers_every_id_of_a_short_corpus():
+    """Under `n` passages, every id counts: a changed id anywhere, or the order, changes the
+    fingerprint."""
+    ps = [Passage(str(i), "", f"t{i}") for i in range(5)]
+    base = sample_ids_digest(ps)
+    for k in range(5):
+        changed = ps[:k] + [Passage("x", "", "t")] + ps[k + 1:]
+        assert sample_ids_digest(changed) != base
+    assert sample_ids_digest(ps[::-1]) != base and sample_ids_digest(list(ps)) == base
+
+
+def test_lengths_digest_is_the_sha1_of_the_line_lengths(tmp_path):
+    """The fingerprint index folders record is the SHA-1 of each passage's byte span (its line, newline
+    and any blank lines after it) as little-endian int64s, so folders written earlier still match."""
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"id": "1", "text": "a"}\n\n{"id": "2", "text": "bc"}\n{"id": "3", "text": "d"}')
+    spans = [26, 26, 24]
+    assert Corpus(p).lengths_digest() == hashlib.sha1(b"".join(n.to_bytes(8, "little") for n in spans)).hexdigest()
 
 
 # ---------------------------------------------------------------------------- BM25
