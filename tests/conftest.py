@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -70,6 +71,13 @@ def make_byte_tokenizer():
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     return make_byte_tokenizer()
+
+
+def free_port() -> int:
+    """A loopback port no socket holds now: for a server to start on, or for a client to find closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, tie: bool = True):

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_bench
+from conftest import free_port, load_bench
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +190,6 @@ def test_retrieval_bench_refuses_a_port_another_server_holds(retrieval_bench, tm
 
 def test_retrieval_bench_shows_why_its_server_exited(retrieval_bench, tmp_path):
     """The server's stderr went to /dev/null: 'the server exited at start' said nothing of why."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(SystemExit, match=r"bench: the server exited at start:\n .*not a finished index folder"):
         retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)

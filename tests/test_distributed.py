@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ import pytest
 import torch
 import torch.distributed
 import torch.multiprocessing as mp
-from conftest import make_tiny_llama
+from conftest import free_port, make_tiny_llama
 from torch import nn
 
 import train
@@ -298,12 +297,6 @@ def worker_logs(tmp: Path, lines: int = 30) -> str:
             causes += [(priority, f" ({log.stem}: {line.strip()})") for line in text if re.search(pattern, line)]
         out += f"\n--- {log.stem}, last {min(lines, len(text))} lines of stderr ---\n" + "\n".join(text[-lines:])
     return min(causes, default=(0, ""))[1] + out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- the tests

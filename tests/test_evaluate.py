@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -22,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import JSONHandler, make_byte_tokenizer, make_tiny_llama
+from conftest import JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama
 from test_rollout import FakeRetriever
 from test_vllm_sampler import FakeLLM
 
@@ -858,12 +857,6 @@ def test_a_damaged_record_log_is_a_one_line_error(world, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- errors
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_trained_run_is_asked_in_the_protocol_it_was_trained_with(world, tmp_path, capsys):

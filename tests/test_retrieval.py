@@ -4,14 +4,13 @@ random encoder built offline, the HTTP client against a stdlib Search-R1-style s
 import json
 import math
 import re
-import socket
 import threading
 import time
 from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
-from conftest import JSONHandler, save_bag_of_words_bert
+from conftest import JSONHandler, free_port, save_bag_of_words_bert
 
 from searchlite.data import Passage, passage_to_dict, write_jsonl
 from searchlite.indexing import build_dense_folder
@@ -469,10 +468,7 @@ def test_http_client_needs_a_url_scheme():
 
 
 def test_http_client_dead_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/retrieve"
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
     with pytest.raises(RuntimeError, match=re.escape(url)):
         HTTPRetriever(url, timeout=1.0, retries=2, backoff=0.01).search(["q"], k=3)
 

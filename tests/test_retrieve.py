@@ -9,6 +9,7 @@ import socket
 import faiss
 import numpy as np
 import pytest
+from conftest import free_port
 from test_retrieval import CORPUS, _url, encoder_dir, server  # noqa: F401 (fixtures)
 from test_server import _never_load
 
@@ -35,12 +36,6 @@ def bm25_folder(tmp_path, corpus_file, capsys):
     retrieve.main(["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "bm25")])
     capsys.readouterr()
     return tmp_path / "bm25"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record_serve(monkeypatch) -> dict:
@@ -270,7 +265,7 @@ def test_serve_on_a_free_port_passes_its_address_and_default_bounds(monkeypatch,
     """A free port is not refused; the server gets --host and --port as given and the documented
     defaults (topk 3, 4096 queries a request, 4096 characters a query, a 5 ms batch wait), and the
     address printed is the one it serves."""
-    seen, port = _record_serve(monkeypatch), _free_port()
+    seen, port = _record_serve(monkeypatch), free_port()
     retrieve.main(["serve", "--host", "localhost", "--port", str(port)])
     assert seen == {"host": "localhost", "port": port, "default_topk": 3, "max_queries": 4096,
                     "max_query_chars": 4096, "batch_wait": 0.005}
