@@ -50,7 +50,7 @@ def make(args):
     """The retriever the arguments name."""
     from searchlite.retrieval import build_retriever, index_kind, load_index
 
-    dense_only = [f"--{k}" for k in ("encoder", "pooling", "query_prefix") if getattr(args, k) is not None]
+    dense_only = [f"--{k}" for k in ("encoder", "pooling", "query_prefix", "device") if getattr(args, k) is not None]
     dense_only += ["--mmap"] * args.mmap  # flags only a dense index reads: each refused where it would be ignored
     if getattr(args, "url", None):
         given = [f"--{k}" for k in ("corpus", "index") if getattr(args, k) is not None]
@@ -61,7 +61,7 @@ def make(args):
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
     kind = None if args.kind == "auto" else args.kind
-    dense_kw = dict(device=args.device, mmap=args.mmap)
+    dense_kw = dict(device=args.device or "cpu", mmap=args.mmap)
     if args.query_prefix is not None:
         dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
@@ -92,7 +92,8 @@ def make(args):
                            pooling=args.pooling or "mean", index=args.index, **(dense_kw if kind == "dense" else {}))
 
 
-DENSE_BUILD = ("encoder", "pooling", "query_prefix", "passage_prefix", "faiss", "search_params", "keep_shards")
+DENSE_BUILD = ("encoder", "pooling", "query_prefix", "passage_prefix", "faiss", "search_params", "keep_shards",
+               "device")
 BM25_BUILD = ("k1", "b")
 
 
@@ -140,7 +141,7 @@ def build_folder(kind: str, corpus: str, args):
                                   query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
                                   faiss_index=args.faiss or "flat", search_params=args.search_params,
                                   shard_size=args.shard_size, batch_size=args.batch_size, max_length=args.max_length,
-                                  device=args.device, keep_shards=args.keep_shards)
+                                  device=args.device or "cpu", keep_shards=args.keep_shards)
     given = {k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None}  # else bm25s's 1.5 and 0.75
     return build_bm25_folder(corpus, args.out, **given)
 
@@ -170,7 +171,7 @@ def main(argv=None) -> None:
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
         a("--pooling", default=None, choices=["mean", "cls"], help="dense: pooling (default: " + (
           "" if name == "build" else "an index folder's, else ") + "mean, as E5; BGE takes cls)")
-        a("--device", default="cpu", help="dense: torch device of the encoder")
+        a("--device", default=None, help="dense: torch device of the encoder (default cpu)")
         a("--query_prefix", default=None, help="dense: text before each query (default: " + (
           "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")
         if name == "build":
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
             a("--b", type=float, default=None, help="bm25: passage-length normalisation (default 0.75; Pyserini: 0.4)")
         elif name == "query":
             a("--url", default=None, help="query a Search-R1-compatible server instead (it searches with its "
-              "own index and encoder: no --corpus, --index, --kind or dense flags)")
+              "own index and encoder: no --corpus, --index, --kind or dense flags such as --device)")
             a("--k", type=int, default=3, help="passages per query (default 3)")
             a("queries", nargs="+", help="one or more queries")
         else:
@@ -206,7 +207,8 @@ def main(argv=None) -> None:
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
         what = "a folder, not a file (a passages JSONL)" if os.path.isdir(resolve_path(args.corpus)) else "no such file"
         sys.exit(f"error: --corpus {args.corpus}: {what}")
-    if args.device != "cpu" and (args.cmd == "build" or not getattr(args, "url", None)):  # before a corpus scan
+    local = args.cmd == "build" or not getattr(args, "url", None)
+    if args.device not in (None, "cpu") and local:  # checked before a corpus scan
         from searchlite.models import pick_device
 
         try:

@@ -721,6 +721,7 @@ def test_cli_build_refuses_flags_it_would_ignore_and_bad_paths(tmp_path, capsys,
                                                                      r"\(--kind auto: dense with --encoder, else bm25\)"),
                          (["--kind", "bm25", "--encoder", encoder], "error: --encoder: not for a bm25 build$"),
                          (["--kind", "bm25", "--keep_shards"], "error: --keep_shards: not for a bm25 build$"),
+                         (["--device", "cpu"], "error: --device: not for a bm25 build "),
                          (["--encoder", encoder, "--k1", "0.9", "--b", "0.4"], "error: --k1 and --b: not for a dense "
                                                                               "build")):
         with pytest.raises(SystemExit, match=error):

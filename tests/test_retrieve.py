@@ -185,10 +185,10 @@ def test_query_with_an_encoder_alone_uses_its_pooling(corpus_file, encoder_dir, 
 
 
 def test_query_refuses_flags_a_bm25_folder_would_ignore(bm25_folder):
-    """--encoder, and --query_prefix even when empty, are named on a BM25 folder; --kind dense or
+    """--encoder, --query_prefix even when empty, and --device even cpu, are named on a BM25 folder; --kind dense or
     rank_bm25 is not searched as the folder's bm25 index."""
     for flags, named in ((["--encoder", "intfloat/e5-base-v2"], "--encoder"),
-                         (["--query_prefix", ""], "--query_prefix")):
+                         (["--query_prefix", ""], "--query_prefix"), (["--device", "cpu"], "--device")):
         with pytest.raises(SystemExit, match="^" + re.escape(f"error: {named}: --index {bm25_folder} holds a bm25 "
                                                              "index, which encodes no queries")):
             retrieve.main(["query", "--index", str(bm25_folder), *flags, "x"])
@@ -222,24 +222,16 @@ def test_a_faiss_file_names_the_flags_it_needs(tmp_path, corpus_file):
         retrieve.main(["query", "--index", str(faiss_file), "--corpus", str(corpus_file), "q"])
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_query_of_a_server_does_not_check_the_device(server, capsys):
-    """query --url searches the server's index: --device (for a local encoder) is not checked, so
-    --device cuda on a machine without a GPU still prints the server's passages."""
-    retrieve.main(["query", "--url", _url(server), "--device", "cuda", "--k", "1", "what causes ocean tides"])
-    [[want]] = server.index.search(["what causes ocean tides"], 1)
-    assert capsys.readouterr().out.splitlines()[:2] == ["query: what causes ocean tides",
-                                                        f"  1. [{want.score:.3f}] Tides (id v8)"]
-
-
 def test_query_of_a_server_refuses_the_flags_of_a_local_index(server, corpus_file):
     """query --url searches the server's index with the server's encoder: --corpus, --index, --kind and
-    the dense flags are named, not dropped, and the server is not asked."""
+    the dense flags are named, not dropped, and the server is not asked; --device cuda is named, not
+    checked for a GPU."""
     url = _url(server)
     flags = ["--corpus", str(corpus_file), "--index", "/no/such/index", "--kind", "dense", "--encoder", "e5",
-             "--pooling", "cls", "--query_prefix", "q: ", "--mmap"]
+             "--pooling", "cls", "--query_prefix", "q: ", "--device", "cuda:7", "--mmap"]
     with pytest.raises(SystemExit, match="^" + re.escape(
-            "error: --corpus and --index and --kind and --encoder and --pooling and --query_prefix and --mmap: "
+            "error: --corpus and --index and --kind and --encoder and --pooling and --query_prefix and --device and "
+            "--mmap: "
             f"--url {url} searches the server's own index and encoder; give these to its retrieve.py serve") + "$"):
         retrieve.main(["query", "--url", url, *flags, "tides"])
     with pytest.raises(SystemExit, match=r"^error: --query_prefix: --url "):
@@ -248,10 +240,10 @@ def test_query_of_a_server_refuses_the_flags_of_a_local_index(server, corpus_fil
 
 
 def test_query_of_a_corpus_refuses_the_flags_of_a_dense_index(corpus_file):
-    """Over a corpus indexed in memory by BM25, --query_prefix, --pooling (even mean) and --mmap would
-    be ignored: they are named instead."""
+    """Over a corpus indexed in memory by BM25, --query_prefix, --pooling (even mean), --device (even
+    cpu) and --mmap would be ignored: they are named instead."""
     for flags, named in ((["--query_prefix", "query: "], "--query_prefix"), (["--pooling", "mean"], "--pooling"),
-                         (["--mmap"], "--mmap"), (["--kind", "rank_bm25", "--query_prefix", ""], "--query_prefix")):
+                         (["--mmap"], "--mmap"), (["--device", "cpu"], "--device"), (["--kind", "rank_bm25", "--query_prefix", ""], "--query_prefix")):
         kind = "rank_bm25" if "rank_bm25" in flags else "bm25"
         with pytest.raises(SystemExit, match="^" + re.escape(f"error: {named}: for a dense retriever, which encodes "
                                                              f"queries; --kind {kind} does not") + "$"):
