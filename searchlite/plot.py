@@ -27,10 +27,15 @@ def read_metrics(run: str | Path) -> list[dict]:
     A row without a numeric `step` is a DataError naming its file and line, not skipped: train.py
     logs `step` in every row, so such a row means some other JSONL file was given, and a plot that
     quietly left its rows out would mislead."""
-    path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+    path = metrics_path(run)
     if not path.is_file():
         raise DataError(f"{run}: no metrics.jsonl (give a train.py out_dir or the file itself)")
     return read_log(path, cut=False, check=_no_step)
+
+
+def metrics_path(run: str | Path) -> Path:
+    """The file a run argument names: a folder's metrics.jsonl, or the file given."""
+    return Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
 
 
 def _no_step(row: dict) -> str | None:
@@ -65,6 +70,12 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot(runs: list[str], out: str) -> Path:
+    seen = {}
+    for run in runs:  # two lines of one colour each, under one name, would look like two runs that agree
+        path = metrics_path(run).resolve()
+        if path in seen:
+            raise DataError(f"{seen[path]} and {run} are the same run ({path}): give each run once")
+        seen[path] = run
     metrics = [read_metrics(run) for run in runs]  # a missing or bad file is named before matplotlib loads
     panels = [(key, title) for key, title in PANELS if any(series(rows, key)[0] for rows in metrics)]
     if not panels:

@@ -216,3 +216,15 @@ def test_an_upper_case_suffix_is_a_known_format(tmp_path):
     run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.1}])
     out = plot([str(run)], str(tmp_path / "C.PNG"))
     assert out == tmp_path / "C.PNG" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_given_twice_is_named_before_anything_is_drawn(tmp_path, monkeypatch):
+    """The same run twice, as its folder, its metrics.jsonl or another path to it, is refused naming
+    both arguments: its two lines would share a name in the legend and look like two runs that agree."""
+    run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.5}])
+    other = write_run(tmp_path / "other", [{"step": 1, "reward": 0.2}])
+    monkeypatch.chdir(tmp_path)
+    for a, b in (("run", "run"), ("run", "run/metrics.jsonl"), (str(run), "other/../run/")):
+        with pytest.raises(DataError, match="^" + re.escape(f"{a} and {b} are the same run (")):
+            plot([a, str(other), b], str(tmp_path / "c.png"))
+    assert not (tmp_path / "c.png").exists()
