@@ -88,6 +88,8 @@ def pick_device(args) -> torch.device:
         if not torch.cuda.is_available():
             sys.exit(f"error: no CUDA device is visible to torch {torch.__version__} (CUDA build: "
                      f"{torch.version.cuda or 'none'}); use --tiny for the CPU path")
+        if device.index is None:  # --device cuda: set_device needs an index
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         print(f"device: {torch.cuda.get_device_name(device)} ({device}), "
               f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB", flush=True)

@@ -1,9 +1,13 @@
 """bench/gpu_check.py's code path on CPU (--tiny): the one GPU check runs the same steps."""
 
+import contextlib
+import io
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import load_bench
 
 
@@ -28,6 +32,7 @@ def test_word_overlap_retriever_ranks_by_shared_words(gpu_check):
     passages = [Passage("a", "Oslo", "a city in Norway"), Passage("b", "Ada", "Ada founded Norway Steel in Oslo")]
     hits = gpu_check.WordOverlapRetriever(passages).search(["who founded norway steel"], k=2)[0]
     assert [h.id for h in hits] == ["b", "a"] and hits[0].score == 3.0
+    assert [len(h) for h in gpu_check.WordOverlapRetriever(passages).search(["oslo", "norway"], k=1)] == [1, 1]
 
 
 def test_explicit_flags_win_over_tiny_defaults(gpu_check):
@@ -42,3 +47,155 @@ def test_group_below_two_is_an_argument_error(gpu_check, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_check.parse(["--tiny", "--group", "1"])
     assert e.value.code == 2 and "--group: must be at least 2" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def spied_tiny_run(gpu_check):
+    """One --tiny run (2 questions x group 3, 1 turn, micro-batches of 4, seed 3) with its rollout (searches set to
+    0, 1, 0, 1, ...), sampler, advantages, model and update recorded, and a clock whose k-th reading is 2**k
+    (rollout 8 s, update 128 s)."""
+    import train
+    from searchlite import advantages, rollout, sampler
+
+    seen = {"group": [], "cfg": [], "dtype": [], "rollout_kw": []}
+    real_rollout, real_groups, real_update, real_qwen = rollout.rollout, advantages.group_advantages, train.update, \
+        gpu_check.random_qwen
+
+    def spy_rollout(*args, **kw):
+        seen["rollout_kw"].append(kw)
+        seen["ro"] = real_rollout(*args, **kw)
+        seen["ro"].searches = torch.arange(len(seen["ro"])).remainder(2)  # a random model rarely searches
+        return seen["ro"]
+
+    class Sampler(sampler.HFSampler):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            seen["sampler"] = self
+
+    def spy_groups(scores, group, *args, **kw):
+        seen["group"].append(group)
+        return real_groups(scores, group, *args, **kw)
+
+    def spy_update(cfg, *args, **kw):
+        seen["cfg"].append(cfg)
+        return real_update(cfg, *args, **kw)
+
+    def spy_qwen(shape, tokenizer, dtype, device):
+        seen["dtype"].append(dtype)
+        seen["policy"] = real_qwen(shape, tokenizer, dtype, device)
+        return seen["policy"]
+
+    ticks = iter(range(1, 100))
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setitem(sys.modules, "bm25s", None)
+        mp.setattr(rollout, "rollout", spy_rollout)
+        mp.setattr(sampler, "HFSampler", Sampler)
+        mp.setattr(advantages, "group_advantages", spy_groups)
+        mp.setattr(train, "update", spy_update)
+        mp.setattr(gpu_check, "random_qwen", spy_qwen)
+        mp.setattr(gpu_check, "sync", lambda device: float(2 ** next(ticks)))
+        seen["result"] = gpu_check.main(["--tiny", "--questions", "2", "--group", "3", "--max_turns", "1",
+                                         "--micro_batch_size", "4", "--seed", "3"])
+    seen["out"] = out.getvalue()
+    return seen
+
+
+def test_tiny_run_batch_is_questions_times_group_as_printed(spied_tiny_run):
+    ro, out = spied_tiny_run["ro"], spied_tiny_run["out"]
+    assert spied_tiny_run["result"]["trajectories"] == len(ro) == 6
+    assert "rollout: 6 trajectories (2 questions x 3)" in out
+    assert "in all, 0.50 searches each" in out  # 3 of the 6 searched once
+
+
+def test_tiny_run_token_counts_are_the_rollouts(spied_tiny_run):
+    ro, result = spied_tiny_run["ro"], spied_tiny_run["result"]
+    assert result["sampled_tokens"] == int(ro.loss_mask.sum()) < int(ro.attention_mask.sum())
+    assert result["update_tokens"] == int(ro.attention_mask.sum())  # one epoch: each token through once
+
+
+def test_tiny_run_tokens_per_second_divide_by_their_own_phase(spied_tiny_run):
+    result, out = spied_tiny_run["result"], spied_tiny_run["out"]
+    # sync readings 2**1 .. 2**8: rollout between readings 3 and 4 (8 s), update between 7 and 8 (128 s)
+    assert result["rollout_tok_s"] == result["sampled_tokens"] / 8
+    assert result["update_tok_s"] == result["update_tokens"] / 128
+    assert f"rollout tokens/s: {result['sampled_tokens'] / 8:,.0f}\n" in out
+    assert f"update tokens/s:  {result['update_tokens'] / 128:,.0f}\n" in out
+
+
+def test_tiny_run_flags_reach_config_rollout_sampler_and_advantages(spied_tiny_run):
+    (cfg,) = spied_tiny_run["cfg"]
+    assert (cfg.batch_size, cfg.group, cfg.micro_batch_size, cfg.max_turns, cfg.seed) == (2, 3, 4, 1, 3)
+    assert spied_tiny_run["rollout_kw"][0]["max_turns"] == 1
+    assert spied_tiny_run["sampler"].seed == 3 and spied_tiny_run["sampler"].max_new_tokens == 8
+    assert spied_tiny_run["group"] == [3]
+
+
+def test_tiny_run_policy_is_float32_computing_in_bf16_with_checkpointing(spied_tiny_run):
+    policy = spied_tiny_run["policy"]
+    assert spied_tiny_run["dtype"] == [torch.float32] and policy.dtype == torch.float32
+    assert policy.searchlite_compute_dtype == torch.bfloat16 and policy.is_gradient_checkpointing
+
+
+def test_tiny_run_counts_the_tiny_qwens_parameters(spied_tiny_run):
+    # embeddings 3000 x 64 (tied head); per layer q 64x64+64, k and v 64x32+32, o 64x64, MLP 3 x 64x128, 2 norms 64;
+    # final norm 64
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert spied_tiny_run["result"]["params_b"] == (3000 * 64 + 2 * layer + 64) / 1e9 == 266304 / 1e9
+
+
+def test_bf16_weights_builds_the_policy_in_dtype(gpu_check, monkeypatch):
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def stop(shape, tokenizer, dtype, device):
+        built.append((dtype, device))
+        raise Built  # nothing after the build is needed
+
+    monkeypatch.setattr(gpu_check, "random_qwen", stop)
+    with pytest.raises(Built):
+        gpu_check.main(["--tiny", "--bf16_weights"])
+    assert built == [(torch.bfloat16, torch.device("cpu"))]
+
+
+def test_gpu_is_local_rank_and_its_memory_printed_in_gib(gpu_check, monkeypatch, capsys):
+    """cuda:LOCAL_RANK by default and for --device cuda (torch.cuda.set_device refuses a device
+    without an index), the index given otherwise; the card's name and memory are printed."""
+    chosen = []
+
+    def set_device(device):  # as torch's: an index is required
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        chosen.append(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert gpu_check.pick_device(gpu_check.parse([])) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert gpu_check.pick_device(gpu_check.parse([])) == torch.device("cuda", 3)
+    assert capsys.readouterr().out.splitlines()[-1] == "device: Fake GPU (cuda:3), 80 GiB"
+    assert gpu_check.pick_device(gpu_check.parse(["--device", "cuda"])) == torch.device("cuda", 3)
+    assert gpu_check.pick_device(gpu_check.parse(["--device", "cuda:1"])) == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", i) for i in (0, 3, 3, 1)]
+
+
+def test_no_visible_gpu_is_a_one_line_error_pointing_at_tiny(gpu_check, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"^error: no CUDA device is visible .*use --tiny for the CPU path$"):
+        gpu_check.pick_device(gpu_check.parse(["--device", "cuda"]))
+
+
+def test_random_qwen_suppresses_exactly_the_ids_without_text(gpu_check):
+    from searchlite.config import TOY_DIR
+    from searchlite.models import load_tokenizer
+
+    tok = load_tokenizer(str(TOY_DIR))
+    model = gpu_check.random_qwen(gpu_check.TINY, tok, torch.float32, torch.device("cpu"))
+    assert model.generation_config.suppress_tokens == list(range(len(tok), 3000))
+    same = gpu_check.random_qwen({**gpu_check.TINY, "vocab_size": len(tok)}, tok, torch.float32, torch.device("cpu"))
+    assert same.generation_config.suppress_tokens == []  # a vocabulary the tokenizer's size: nothing to suppress
