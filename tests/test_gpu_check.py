@@ -3,6 +3,7 @@
 import contextlib
 import io
 import math
+import re
 import sys
 from types import SimpleNamespace
 
@@ -158,6 +159,17 @@ def test_bf16_weights_builds_the_policy_in_dtype(gpu_check, monkeypatch):
     with pytest.raises(Built):
         gpu_check.main(["--tiny", "--bf16_weights"])
     assert built == [(torch.bfloat16, torch.device("cpu"))]
+
+
+def test_full_run_defaults_are_those_its_help_names(gpu_check, capsys):
+    args = gpu_check.parse([])
+    assert (args.device, args.dtype, args.bf16_weights, args.seed) == ("", "bfloat16", False, 0)
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in ("max_turns", "micro_batch_size"):
+        said = re.search(rf"--{flag} \S+ [^()]*\(default (\d+)\)", help_text)
+        assert said and int(said.group(1)) == getattr(args, flag), flag
 
 
 def test_gpu_is_local_rank_and_its_memory_printed_in_gib(gpu_check, monkeypatch, capsys):
