@@ -74,8 +74,9 @@ def write_synthetic(n: int, folder: Path, seed: int = 0) -> tuple[Path, Path]:
                 if i in asked:
                     rare = vocab[np.sort(np.unique(row))[::-1][:6]]  # highest ranks: the rarest words
                     questions.append({"id": f"q{i}", "question": " ".join(rare), "golden_answers": [title]})
-    os.replace(str(corpus) + ".tmp", corpus)
-    qa.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    Path(str(qa) + ".tmp").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    os.replace(str(qa) + ".tmp", qa)
+    os.replace(str(corpus) + ".tmp", corpus)  # last: a run stopped before this writes both again
     return corpus, qa
 
 
@@ -210,7 +211,8 @@ def serve_phase(index: str, qa: str, port: int, clients: int = 32, requests: int
         server.terminate()
         server.wait()
         log.close()
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
+    # inclusive: between the fastest and the slowest request (the default extrapolates past them)
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else [float("nan")] * 99
     return dict(p50_ms=q[49] * 1000, p99_ms=q[98] * 1000, rps=len(latencies) / wall, errors=len(errors),
                 first_error=errors[0] if errors else None)
 

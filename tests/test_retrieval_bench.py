@@ -1,0 +1,380 @@
+"""bench/retrieval_bench.py: the figures it prints (build and search speed, CPU time, peak RSS,
+recall@3, the server's latency percentiles), from stubbed children and a fake clock; its index
+reuse, its server's start and stop, and its argument handling. Nothing here times a search."""
+
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import free_port, load_bench
+
+from searchlite.data import QA
+from searchlite.retrieval import Hit
+
+
+@pytest.fixture(scope="module")
+def retrieval_bench():
+    return load_bench("retrieval_bench")
+
+
+def test_retrieval_bench_makes_local_paths_absolute_for_its_children(retrieval_bench, monkeypatch, tmp_path):
+    (tmp_path / "qa.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert retrieval_bench.local_path("qa.jsonl") == str(tmp_path / "qa.jsonl")
+    assert retrieval_bench.local_path("intfloat/e5-base-v2") == "intfloat/e5-base-v2"  # not here: a hub name
+    assert retrieval_bench.local_path(None) is None
+
+
+def test_retrieval_bench_child_peak_rss_is_its_own_not_the_parents(retrieval_bench, tmp_path):
+    """The child's own peak: not the parent's 300 MiB (which ru_maxrss would give it), and its own 300 MiB counted."""
+    script = tmp_path / "small.py"
+    script.write_text("print('hello')\n")
+    ballast = b"\1" * (300 * 2**20)
+    _, _, peak_gib, out = retrieval_bench.run_measured([sys.executable, str(script)])
+    assert out == "hello\n" and 0 < peak_gib * 1024 < 200 and len(ballast)
+    del ballast
+    script.write_text("b = b'\\1' * (300 * 2**20)\n")
+    assert 300 < retrieval_bench.run_measured([sys.executable, str(script)])[2] * 1024 < 1000
+
+
+def test_retrieval_bench_dense_index_folder_names_faiss_and_encoder(retrieval_bench, tmp_path):
+    corpus = tmp_path / "wiki.jsonl"
+    folder = lambda kind, enc, faiss: retrieval_bench.index_folder(tmp_path, corpus, kind, enc, faiss)  # noqa: E731
+    assert folder("bm25", "/x/enc/model", "hnsw") == tmp_path / "wiki-bm25"
+    dense = folder("dense", "/x/enc/model", "flat")
+    assert dense.name.startswith("wiki-dense-flat-model-")
+    others = {folder("dense", "/x/enc/model", "hnsw"), folder("dense", "/y/enc/model", "flat"),
+              folder("dense", "intfloat/e5-base-v2", "flat")}
+    assert dense not in others and len(others) == 3  # --reuse never takes an index built with other settings
+    assert folder("dense", "/x/enc/model", "flat") == dense
+
+
+def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retrieval_bench, tmp_path):
+    """Index folders are named by the corpus file's stem, so --reuse took an index built over another
+    file of that name (and scored recall@3 0.000 against its passages); it now builds again."""
+    import os
+
+    from searchlite.retrieval import build_retriever
+
+    corpus, other = tmp_path / "c" / "wiki.jsonl", tmp_path / "d" / "wiki.jsonl"
+    for path, word in ((corpus, "apple"), (other, "pear")):
+        path.parent.mkdir()
+        path.write_text("".join(f'{{"id": "{i}", "contents": "\\"T{i}\\"\\n{word} {i}"}}\n' for i in range(5)))
+    folder = retrieval_bench.index_folder(tmp_path / "out", corpus, "bm25", None, "flat")
+    assert folder == retrieval_bench.index_folder(tmp_path / "out", other, "bm25", None, "flat")  # one name
+    assert retrieval_bench.stale(folder, "bm25", corpus) == "no finished index there"
+    build_retriever("bm25", str(corpus)).save(str(folder))
+    assert retrieval_bench.stale(folder, "bm25", corpus) is None
+    assert retrieval_bench.stale(folder, "bm25", other) == f"it was built over {corpus}"
+    os.utime(corpus, ns=(1, 1))  # the same file, changed since
+    assert retrieval_bench.stale(folder, "bm25", corpus) == f"{corpus} changed since it was built"
+
+
+def test_retrieval_bench_refuses_a_port_another_server_holds(retrieval_bench, tmp_path):
+    """With the port taken, the bench's own server exited and the bench measured whatever answered there."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"bench: port {port} is taken .*pick --port"):
+            retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
+
+
+def test_retrieval_bench_shows_why_its_server_exited(retrieval_bench, monkeypatch, tmp_path):
+    """The server's stderr went to /dev/null: 'the server exited at start' said nothing of why. It starts
+    retrieve.py from the project's folder, whatever the current one."""
+    monkeypatch.chdir(tmp_path)
+    port = free_port()
+    with pytest.raises(SystemExit, match=r"bench: the server exited at start:\n .*not a finished index folder"):
+        retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
+
+
+
+def test_retrieval_bench_synthetic_set_has_n_passages_and_asks_their_rarest_words(retrieval_bench, tmp_path):
+    from collections import Counter
+
+    corpus, qa = retrieval_bench.write_synthetic(50, tmp_path)
+    passages = [json.loads(line)["contents"].split("\n")[1].split() for line in corpus.read_text().splitlines()]
+    questions = [json.loads(line) for line in qa.read_text().splitlines()]
+    assert len(passages) == 50 and len(questions) == 50
+    counts = Counter(w for p in passages for w in p)
+    for q in questions:
+        words, passage = q["question"].split(), passages[int(q["id"][1:])]
+        assert q["golden_answers"] == [f"Synth {int(q['id'][1:]):07d}"]
+        assert len(words) == 6 and set(words) <= set(passage)
+        assert max(counts[w] for w in words) < sum(counts[w] for w in passage) / len(passage)  # rarer than average
+
+
+def test_retrieval_bench_synthetic_set_is_written_again_when_its_qa_is_missing(retrieval_bench, monkeypatch,
+                                                                               tmp_path):
+    """A run stopped while writing the questions leaves no corpus, so the next run writes both again
+    instead of taking a corpus without its questions."""
+    def interrupted(path, text):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_text", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            retrieval_bench.write_synthetic(20, tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")] == []
+    corpus, qa = retrieval_bench.write_synthetic(20, tmp_path)
+    qa.unlink()
+    assert retrieval_bench.write_synthetic(20, tmp_path) == (corpus, qa) and len(qa.read_text().splitlines()) == 20
+
+
+def test_retrieval_bench_child_killed_by_a_signal_is_reported(retrieval_bench, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(f"import os; os.kill(os.getpid(), {int(signal.SIGKILL)})\n")
+    with pytest.raises(SystemExit, match="failed with exit code -9"):
+        retrieval_bench.run_measured([sys.executable, str(script)])
+
+
+def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench, tmp_path):
+    """Its exit code and the last 20 lines of its stderr."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nfor i in range(30): print(f'line {i}', file=sys.stderr)\nsys.exit(3)\n")
+    with pytest.raises(SystemExit) as e:
+        retrieval_bench.run_measured([sys.executable, str(script)])
+    assert "failed with exit code 3" in str(e.value) and "line 9\n" not in str(e.value)
+    assert str(e.value).endswith("".join(f"line {i}\n" for i in range(10, 30)))
+
+
+def test_retrieval_bench_cpu_seconds_are_user_plus_system(retrieval_bench, monkeypatch, tmp_path):
+    wait4 = os.wait4
+    usage = SimpleNamespace(ru_utime=1.25, ru_stime=0.5)
+    monkeypatch.setattr(os, "wait4", lambda pid, opts: (*wait4(pid, opts)[:2], usage))
+    script = tmp_path / "ok.py"
+    script.write_text("")
+    assert retrieval_bench.run_measured([sys.executable, str(script)])[1] == 1.75
+
+
+def test_retrieval_bench_disk_mib_counts_files_in_subfolders(retrieval_bench, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"\0" * 2**20)
+    (tmp_path / "sub" / "b.bin").write_bytes(b"\0" * 2**19)
+    assert retrieval_bench.disk_mib(tmp_path) == 1.5
+
+
+def test_retrieval_bench_corrupt_index_settings_are_not_reused(retrieval_bench, tmp_path):
+    corpus = tmp_path / "wiki.jsonl"
+    corpus.write_text("")
+    (tmp_path / "bm25.json").write_text("{not json")
+    assert retrieval_bench.stale(tmp_path, "bm25", corpus) == "no finished index there"
+
+
+class Clock:
+    """Stands in for the `time` module: `now` moves only when a fake advances it."""
+
+    def __init__(self):
+        self.now, self.cpu = 0.0, 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def process_time(self):
+        return self.cpu
+
+    def sleep(self, seconds):
+        pass
+
+
+def test_retrieval_bench_search_phase_speed_cpu_ms_and_recall(retrieval_bench, monkeypatch, capsys):
+    """5 questions, --single 8 (more than there are), --batch 2; each search call takes 10 ms wall, 20 ms CPU."""
+    clock = Clock()
+    hit = lambda title, text: Hit("0", title, text, 1.0)  # noqa: E731
+    qa = [QA("0", "q0", ["Ed Wood"]), QA("1", "q1", ["Synth 0000001"]), QA("2", "q2", ["Paris"]),
+          QA("3", "q3", ["nothing"]), QA("4", "q4", ["x", "The Beatles"])]
+    hits = {"q0": [hit("Film", "Ed Woodward starred")], "q1": [hit("Synth 0000001", "ba ka")],
+            "q2": [hit("France", "the capital: Paris.")], "q3": [hit("A", "b")], "q4": [hit("Band", "beatles songs")]}
+    calls = []
+
+    class Index:
+        def search(self, queries, k):
+            assert k == 3
+            calls.append(len(queries))
+            clock.now, clock.cpu = clock.now + 0.01, clock.cpu + 0.02
+            return [hits[q] for q in queries]
+
+    def load_index(path):
+        clock.now += 1.5
+        return Index()
+
+    monkeypatch.setattr(retrieval_bench, "time", clock)
+    monkeypatch.setattr("searchlite.retrieval.load_index", load_index)
+    monkeypatch.setattr("searchlite.data.read_qa", lambda path: qa)
+    retrieval_bench.search_phase("idx", "qa.jsonl", single=8, batch=2)
+    s = json.loads(capsys.readouterr().out)
+    assert calls == [1, 2] + [1] * 5 + [2, 2, 1]  # warm-ups, one at a time, batches
+    assert s == pytest.approx(dict(load_s=1.5, single_qps=5 / 0.05, batched_qps=5 / 0.03, single_cpu_ms=20.0,
+                                   batched_cpu_ms=12.0, recall3=0.6, recall3_substring=0.8, n=5))
+
+
+@pytest.fixture
+def fake_server(retrieval_bench, monkeypatch):
+    """serve_phase with no server: Popen, /health and HTTPRetriever stubbed, time on a Clock; 7 questions.
+    `state.health_failures` /health calls fail first; a search takes `state.latency(n)` s (n: calls so far)."""
+    state = SimpleNamespace(popen=[], terminated=False, health_failures=0, health_calls=0, asked=[],
+                            latency=lambda n: 0.001, fail_at=None, clock=Clock())
+
+    class Server:
+        def __init__(self, cmd, **kw):
+            state.popen.append((cmd, kw.get("cwd")))
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            state.terminated = True
+
+        def wait(self):
+            return 0
+
+    def urlopen(url, timeout):
+        state.health_calls += 1
+        if state.health_calls <= state.health_failures:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return SimpleNamespace(read=lambda: b"{}")
+
+    class HTTP:
+        def __init__(self, url, timeout, retries):
+            pass
+
+        def search(self, queries, k):
+            n = len(state.asked)
+            state.asked.extend(queries)
+            state.clock.now += state.latency(n)
+            if n == state.fail_at:
+                raise KeyError("passages")
+
+    monkeypatch.setattr("retrieve.port_taken", lambda host, port: None)
+    monkeypatch.setattr(retrieval_bench, "subprocess", SimpleNamespace(Popen=Server, DEVNULL=-3))
+    monkeypatch.setattr(retrieval_bench, "urllib", SimpleNamespace(request=SimpleNamespace(urlopen=urlopen)))
+    monkeypatch.setattr(retrieval_bench, "time", state.clock)
+    monkeypatch.setattr("searchlite.retrieval.HTTPRetriever", HTTP)
+    monkeypatch.setattr("searchlite.data.read_qa", lambda path: [QA(str(i), f"q{i}", ["a"]) for i in range(7)])
+    return state
+
+
+def test_retrieval_bench_serve_phase_latency_percentiles_rps_and_errors(retrieval_bench, fake_server):
+    """101 requests taking 1, 2, ..., 100 ms, then one of 5 ms that fails; the server slow to answer /health.
+    The percentiles lie between the fastest and slowest answers: p99 = 1 + 0.99 x 99 ms, not past 100 ms."""
+    fake_server.latency = lambda n: (n + 1) / 1000 if n < 100 else 0.005
+    fake_server.fail_at, fake_server.health_failures = 100, 1000
+    v = retrieval_bench.serve_phase("idx", "qa.jsonl", 8731, clients=1, requests=101)
+    assert fake_server.popen == [([retrieval_bench.PY, "retrieve.py", "serve", "--index", "idx", "--port", "8731"],
+                                  retrieval_bench.ROOT)]
+    assert fake_server.terminated and fake_server.health_calls == 1001
+    assert v == pytest.approx(dict(p50_ms=50.5, p99_ms=99.01, rps=100 / 5.055, errors=1,
+                                   first_error="KeyError: 'passages'"))
+
+
+def test_retrieval_bench_serve_phase_with_one_answer_has_no_percentiles(retrieval_bench, fake_server):
+    v = retrieval_bench.serve_phase("idx", "qa.jsonl", 8731, clients=1, requests=1)
+    assert math.isnan(v["p50_ms"]) and math.isnan(v["p99_ms"]) and v["errors"] == 0
+
+
+def test_retrieval_bench_serve_clients_ask_different_questions(retrieval_bench, fake_server):
+    retrieval_bench.serve_phase("idx", "qa.jsonl", 8731, clients=3, requests=3)
+    assert sorted(fake_server.asked) == ["q0", "q0", "q1", "q1", "q2", "q3", "q4", "q5", "q6"]  # 9 asks of 7
+
+
+def test_retrieval_bench_gives_up_on_a_server_silent_for_300_s(retrieval_bench, fake_server):
+    fake_server.health_failures = 10**6
+    with pytest.raises(SystemExit, match="did not answer /health in 300 s"):
+        retrieval_bench.serve_phase("idx", "qa.jsonl", 8731)
+    assert fake_server.health_calls == 1200 and fake_server.terminated  # 1200 x 0.25 s
+
+
+SEARCH = dict(load_s=1.5, single_qps=50.0, batched_qps=400.0, single_cpu_ms=20.0, batched_cpu_ms=2.5, recall3=0.6,
+              recall3_substring=0.8, n=5)
+SERVE = dict(p50_ms=12.31, p99_ms=99.0, rps=1234.5, errors=2, first_error="KeyError: 'x'")
+
+
+@pytest.fixture
+def retrieval_main(retrieval_bench, monkeypatch, tmp_path):
+    """retrieval_bench.main(argv) in tmp_path (wiki.jsonl, qa.jsonl there), with its children stubbed:
+    returns (run_measured calls as (cmd, quiet), serve_phase calls)."""
+    (tmp_path / "wiki.jsonl").write_text('{"id": "0", "contents": "\\"T\\"\\nx"}\n')
+    (tmp_path / "qa.jsonl").write_text('{"id": "0", "question": "q", "golden_answers": ["a"]}\n')
+    monkeypatch.chdir(tmp_path)
+    measured, served = [], []
+
+    def run_measured(cmd, quiet=True):
+        measured.append((cmd, quiet))
+        return (0.1, 0.2, 0.75, "a library's notice\n" + json.dumps(SEARCH) + "\n") if "--_search" in cmd \
+            else (12.34, 20.5, 1.5, "")
+
+    def serve_phase(index, qa, port):
+        served.append((index, qa, port))
+        return SERVE
+
+    monkeypatch.setattr(retrieval_bench, "run_measured", run_measured)
+    monkeypatch.setattr(retrieval_bench, "serve_phase", serve_phase)
+
+    def main(*argv):
+        monkeypatch.setattr(sys, "argv", ["retrieval_bench.py", *argv])
+        retrieval_bench.main()
+        return measured, served
+
+    return main
+
+
+def test_retrieval_bench_defaults_and_printed_figures(retrieval_bench, retrieval_main, tmp_path, capsys):
+    measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--out", "out")
+    folder, qa = str(tmp_path / "out" / "wiki-bm25"), str(tmp_path / "qa.jsonl")
+    assert measured == [
+        ([retrieval_bench.PY, "retrieve.py", "build", "--corpus", str(tmp_path / "wiki.jsonl"), "--kind", "bm25",
+          "--out", folder], False),  # progress bars stay on the terminal
+        ([retrieval_bench.PY, retrieval_bench.__file__, "--_search", folder, "--qa", qa, "--single", "200",
+          "--batch", "64"], True)]
+    assert served == [(folder, qa, 8731)]
+    out = capsys.readouterr().out
+    assert "[bm25] build 12.3s wall (20.5 CPU s), peak RSS 1.50 GiB, index on disk 0.0 MiB\n" in out
+    assert ("[bm25] search: load 1.5s; batches of 64 8.00x the queries/s of one at a time (400.0 vs 50.0 q/s; "
+            "CPU ms/query 2.50 vs 20.00), peak RSS 0.75 GiB; answer recall@3 0.600 over 5 questions "
+            "(as a plain substring 0.800)\n") in out
+    assert ("[bm25] server, 32 clients x 50 requests: p50 12.3 ms, p99 99.0 ms, 1,234.5 requests/s, 2 errors "
+            "(KeyError: 'x')\n") in out
+
+
+def test_retrieval_bench_dense_build_names_encoder_and_faiss_and_no_serve_skips_the_server(retrieval_main):
+    measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--kinds", "dense",
+                                      "--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw", "--no_serve")
+    assert measured[0][0][-4:] == ["--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw"] and served == []
+
+
+def test_retrieval_bench_dense_default_faiss_is_flat(retrieval_main):
+    measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--kinds", "dense", "--encoder", "e")
+    assert measured[0][0][-2:] == ["--faiss", "flat"]
+
+
+def test_retrieval_bench_reuse_builds_when_no_index_is_there(retrieval_main, capsys):
+    measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--reuse", "--no_serve")
+    assert "build" in measured[0][0] and "not reusing" in capsys.readouterr().out
+
+
+def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retrieval_main, monkeypatch, tmp_path):
+    synthetic = (tmp_path / "wiki.jsonl", tmp_path / "s.jsonl")
+    monkeypatch.setattr(retrieval_bench, "write_synthetic", lambda n, out: synthetic)
+    measured, _ = retrieval_main("--synthetic", "10", "--qa", "qa.jsonl", "--no_serve")
+    assert measured[1][0][5] == str(tmp_path / "qa.jsonl")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--corpus", "wiki.jsonl"], "give --corpus and --qa, or --synthetic N"),
+    (["--corpus", "nope.jsonl", "--qa", "qa.jsonl"], "--corpus nope.jsonl: no such file"),
+    (["--corpus", ".", "--qa", "qa.jsonl"], "--corpus .: no such file"),
+    (["--synthetic", "10", "--single", "0"], "--single and --batch must be at least 1"),
+    (["--synthetic", "10", "--batch", "0"], "--single and --batch must be at least 1")])
+def test_retrieval_bench_bad_arguments_are_one_line_errors(retrieval_main, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        retrieval_main(*argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err
