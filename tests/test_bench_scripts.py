@@ -50,41 +50,6 @@ def test_repeats_must_be_positive(name, monkeypatch, capsys):
     assert e.value.code == 2 and "--repeats: must be at least 1" in capsys.readouterr().err
 
 
-def test_rollout_bench_plain_generate_matches_tokens_per_question_asked(monkeypatch, capsys):
-    """--n beyond the training set: the plain call samples the rollout's tokens per question it had."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from searchlite.data import QA
-
-    rollout_bench = load_bench("rollout_bench")
-
-    class Sampler:  # as HFSampler; records the plain call's max_new_tokens
-        plain = []
-
-        def __init__(self, model, tok, max_new_tokens, seed):
-            pass
-
-        def generate(self, prompts, stop=(), max_new_tokens=None):
-            Sampler.plain.append(max_new_tokens)
-            return [[0] * max_new_tokens for _ in prompts]
-
-    def rollout(sampler, retriever, tok, protocol, questions, **kw):  # 10 policy tokens per question
-        n = len(questions)
-        return SimpleNamespace(loss_mask=torch.ones(n, 10), turns=torch.ones(n), searches=torch.zeros(n))
-
-    monkeypatch.setattr("searchlite.data.read_qa", lambda path: [QA(f"q{i}", f"q{i}?", ["a"]) for i in range(3)])
-    monkeypatch.setattr("searchlite.models.load_tokenizer", lambda path: None)
-    monkeypatch.setattr("searchlite.models.load_policy", lambda path: None)
-    monkeypatch.setattr("searchlite.retrieval.build_retriever", lambda kind, corpus: None)
-    monkeypatch.setattr("searchlite.rollout.encode_prompt", lambda tok, protocol, q: [1, 2])
-    monkeypatch.setattr("searchlite.rollout.rollout", rollout)
-    monkeypatch.setattr("searchlite.sampler.HFSampler", Sampler)
-    rollout_bench.rollout_efficiency("m", n=80, repeats=1, seed=0)  # 80 asked, 3 in the training set
-    assert Sampler.plain == [10, 10] and "3 trajectories" in capsys.readouterr().out
-
-
 def test_rollout_bench_missing_realqa_is_a_one_line_error(monkeypatch, tmp_path, capsys):
     rollout_bench = load_bench("rollout_bench")
     monkeypatch.chdir(tmp_path)
@@ -272,9 +237,14 @@ def test_rollout_bench_sampler_settings_and_seeds_per_round(stubbed_rollout_effi
 
 
 def test_rollout_bench_n_takes_the_first_n_training_questions(stubbed_rollout_efficiency, capsys):
+    """--n 2 of the 5: 2 trajectories. --n 80 beyond them: the 5 it has, and the plain call samples the
+    rollout's 29 tokens over those 5 questions (6 each), not over the 80 asked."""
     rollout_bench, seen = stubbed_rollout_efficiency
     rollout_bench.rollout_efficiency("m", n=2, repeats=1, seed=0)
     assert "rollout efficiency (multi-turn tok/s / plain generate tok/s), 2 trajectories" in capsys.readouterr().out
+    seen["plain"].clear()
+    rollout_bench.rollout_efficiency("m", n=80, repeats=1, seed=0)
+    assert "5 trajectories" in capsys.readouterr().out and seen["plain"] == [6, 6]
 
 
 def test_rollout_bench_flags_and_defaults_reach_the_measurements(monkeypatch, tmp_path):
