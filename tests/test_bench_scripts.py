@@ -2,6 +2,8 @@
 from stand-in models, samplers and clocks, and which flags reach what they time; realqa_eval.sh's
 --help. Nothing here times a model (memory_bench, retrieval_bench and gpu_check: their own files)."""
 
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -63,9 +65,6 @@ def test_rollout_bench_missing_realqa_is_a_one_line_error(monkeypatch, tmp_path,
 
 def test_realqa_eval_help_needs_no_data():
     """--help prints the script's header (what it runs, its environment) even where the data is missing."""
-    import os
-    import subprocess
-
     script = Path(__file__).resolve().parents[1] / "bench" / "realqa_eval.sh"
     res = subprocess.run(["bash", str(script), "--help"], env={**os.environ, "REALQA": "/nowhere"},
                          capture_output=True, text=True, timeout=30)

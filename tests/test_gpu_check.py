@@ -9,7 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import train
 from conftest import load_bench
+
+from searchlite import advantages, rollout, sampler
+from searchlite.config import TOY_DIR
+from searchlite.data import Passage
+from searchlite.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +34,6 @@ def test_tiny_grpo_step_reports_throughput(gpu_check, monkeypatch, capsys):
 
 
 def test_word_overlap_retriever_ranks_by_shared_words(gpu_check):
-    from searchlite.data import Passage
-
     passages = [Passage("a", "Oslo", "a city in Norway"), Passage("b", "Ada", "Ada founded Norway Steel in Oslo")]
     hits = gpu_check.WordOverlapRetriever(passages).search(["who founded norway steel"], k=2)[0]
     assert [h.id for h in hits] == ["b", "a"] and hits[0].score == 3.0
@@ -55,9 +59,6 @@ def spied_tiny_run(gpu_check):
     """One --tiny run (2 questions x group 3, 1 turn, micro-batches of 4, seed 3) with its rollout (searches set to
     0, 1, 0, 1, ...), sampler, advantages, model and update recorded, and a clock whose k-th reading is 2**k
     (rollout 8 s, update 128 s)."""
-    import train
-    from searchlite import advantages, rollout, sampler
-
     seen = {"group": [], "cfg": [], "dtype": [], "rollout_kw": []}
     real_rollout, real_groups, real_update, real_qwen = rollout.rollout, advantages.group_advantages, train.update, \
         gpu_check.random_qwen
@@ -203,9 +204,6 @@ def test_no_visible_gpu_is_a_one_line_error_pointing_at_tiny(gpu_check, monkeypa
 
 
 def test_random_qwen_suppresses_exactly_the_ids_without_text(gpu_check):
-    from searchlite.config import TOY_DIR
-    from searchlite.models import load_tokenizer
-
     tok = load_tokenizer(str(TOY_DIR))
     model = gpu_check.random_qwen(gpu_check.TINY, tok, torch.float32, torch.device("cpu"))
     assert model.generation_config.suppress_tokens == list(range(len(tok), 3000))

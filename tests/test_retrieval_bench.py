@@ -6,7 +6,9 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +16,7 @@ import pytest
 from conftest import free_port, load_bench
 
 from searchlite.data import QA
-from searchlite.retrieval import Hit
+from searchlite.retrieval import Hit, build_retriever
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +59,6 @@ def test_retrieval_bench_dense_index_folder_names_faiss_and_encoder(retrieval_be
 def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retrieval_bench, tmp_path):
     """Index folders are named by the corpus file's stem, so --reuse took an index built over another
     file of that name (and scored recall@3 0.000 against its passages); it now builds again."""
-    import os
-
-    from searchlite.retrieval import build_retriever
-
     corpus, other = tmp_path / "c" / "wiki.jsonl", tmp_path / "d" / "wiki.jsonl"
     for path, word in ((corpus, "apple"), (other, "pear")):
         path.parent.mkdir()
@@ -77,8 +75,6 @@ def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retri
 
 def test_retrieval_bench_refuses_a_port_another_server_holds(retrieval_bench, tmp_path):
     """With the port taken, the bench's own server exited and the bench measured whatever answered there."""
-    import socket
-
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -98,8 +94,6 @@ def test_retrieval_bench_shows_why_its_server_exited(retrieval_bench, monkeypatc
 
 
 def test_retrieval_bench_synthetic_set_has_n_passages_and_asks_their_rarest_words(retrieval_bench, tmp_path):
-    from collections import Counter
-
     corpus, qa = retrieval_bench.write_synthetic(50, tmp_path)
     passages = [json.loads(line)["contents"].split("\n")[1].split() for line in corpus.read_text().splitlines()]
     questions = [json.loads(line) for line in qa.read_text().splitlines()]
