@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
     sampled = int(ro.loss_mask.sum())
     if int(ro.input_ids.max()) >= len(tokenizer):
         raise RuntimeError("the sampler produced ids the tokenizer does not have: suppress_tokens was ignored")
-    print(f"rollout: {len(ro)} trajectories ({args.questions} questions x {args.group}), {sampled} sampled tokens, "
+    print(f"rollout: {len(ro)} trajectories ({len(qa)} questions x {args.group}), {sampled} sampled tokens, "
           f"{int(ro.attention_mask.sum())} in all, {float(ro.searches.float().mean()):.2f} searches each "
           f"({how}), {t_rollout:.1f}s", flush=True)
 

@@ -109,7 +109,7 @@ def main() -> None:
                       f"(CPU {cpu:.2f}s; {turns:.2f} turns per trajectory)", flush=True)
     med = {name: statistics.median(v) for name, v in speed.items()}
     cpu_med = {name: statistics.median(v) for name, v in cpu_speed.items()}
-    print(f"rollout, {len(questions)} trajectories ({args.questions} questions x group {args.group}), {args.model}, "
+    print(f"rollout, {len(questions)} trajectories ({len(qa)} questions x group {args.group}), {args.model}, "
           f"medians of {args.repeats}: HFSampler {med['hf']:,.0f} tok/s, VLLMSampler {med['vllm']:,.0f} tok/s, "
           f"ratio {med['vllm'] / med['hf']:.2f}; per CPU second: {cpu_med['hf']:,.0f} vs {cpu_med['vllm']:,.0f}, "
           f"ratio {cpu_med['vllm'] / cpu_med['hf']:.2f}")

@@ -373,6 +373,14 @@ def test_sampler_bench_batch_and_plain_calls_follow_the_flags(stubbed_sampler_be
     assert seen["plain_max_new"] == [8, 100, 8, 100]  # a warm-up, then the printed 100 tokens each
 
 
+def test_sampler_bench_names_the_questions_it_had_beyond_the_training_set(stubbed_sampler_bench, monkeypatch,
+                                                                          capsys):
+    sampler_bench = stubbed_sampler_bench[0]
+    monkeypatch.setattr(sys, "argv", ["sampler_bench.py", "--repeats", "2", "--questions", "30", "--group", "2"])
+    sampler_bench.main()  # 30 asked of the 20 training questions
+    assert "rollout, 40 trajectories (20 questions x group 2)" in capsys.readouterr().out
+
+
 def test_sampler_bench_defaults_reach_both_samplers_on_vllms_device(stubbed_sampler_bench, monkeypatch, capsys):
     sampler_bench, seen, policy, random_policy = stubbed_sampler_bench
     monkeypatch.setattr(sys, "argv", ["sampler_bench.py", "--repeats", "2"])
