@@ -83,12 +83,12 @@ def pick_device(args) -> torch.device:
     elif args.tiny:
         device = torch.device("cpu")
     else:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             sys.exit(f"error: no CUDA device is visible to torch {torch.__version__} (CUDA build: "
                      f"{torch.version.cuda or 'none'}); use --tiny for the CPU path")
-        if device.index is None:  # --device cuda: set_device needs an index
+        if device.index is None:  # no --device, or --device cuda: this rank's GPU (set_device needs an index)
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         print(f"device: {torch.cuda.get_device_name(device)} ({device}), "
