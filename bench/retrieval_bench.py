@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.memory_bench import peak_rss_bytes  # noqa: E402
 from searchlite.config import HelpFormatter, local_path  # noqa: E402
+from searchlite.data import write_jsonl  # noqa: E402
 
 PY = sys.executable
 
@@ -74,8 +75,7 @@ def write_synthetic(n: int, folder: Path, seed: int = 0) -> tuple[Path, Path]:
                 if i in asked:
                     rare = vocab[np.sort(np.unique(row))[::-1][:6]]  # highest ranks: the rarest words
                     questions.append({"id": f"q{i}", "question": " ".join(rare), "golden_answers": [title]})
-    Path(str(qa) + ".tmp").write_text("".join(json.dumps(q) + "\n" for q in questions))
-    os.replace(str(qa) + ".tmp", qa)
+    write_jsonl(qa, questions)
     os.replace(str(corpus) + ".tmp", corpus)  # last: a run stopped before this writes both again
     return corpus, qa
 

@@ -9,7 +9,6 @@ import signal
 import socket
 import sys
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -110,11 +109,11 @@ def test_retrieval_bench_synthetic_set_is_written_again_when_its_qa_is_missing(r
                                                                                tmp_path):
     """A run stopped while writing the questions leaves no corpus, so the next run writes both again
     instead of taking a corpus without its questions."""
-    def interrupted(path, text):
+    def interrupted(path, rows):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(Path, "write_text", interrupted)
+        m.setattr(retrieval_bench, "write_jsonl", interrupted)
         with pytest.raises(KeyboardInterrupt):
             retrieval_bench.write_synthetic(20, tmp_path)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")] == []
