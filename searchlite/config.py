@@ -426,7 +426,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     `reads`, when given (as to parse_args), limits the checks to the fields the program uses."""
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
-    from .protocol import get_protocol, missing_template, rewrite_path, template_path
+    from .protocol import get_protocol, missing_template, template_path
+    from .r1pp import rewrite_template
     from .retrieval import KINDS
 
     def used(name: str) -> bool:
@@ -526,10 +527,15 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         get_protocol(cfg.protocol, cfg.template)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--template {cfg.template!r}: {e}") from None
-    if used("mem_coef") and cfg.mem_coef > 0 and not rewrite_path(cfg.protocol, cfg.template).exists():
-        raise ConfigError(f"--mem_coef {cfg.mem_coef}: the memorization loss needs a rewrite prompt, and "
-                          f"{rewrite_path(cfg.protocol, cfg.template)} does not exist (R1-Searcher++ runs with "
-                          "--protocol r1_searcher_pp)")
+    # R1-Searcher++'s rewrite prompt: the memorization loss samples rewrites with it, and stage 1's
+    # teacher writes demonstrations of it; a protocol without one is refused before any sampling
+    for name, what in (("mem_coef", "the memorization loss needs"), ("sft_rewrites", "the rewrite demonstrations need")):
+        if used(name) and getattr(cfg, name) > 0:
+            try:
+                rewrite_template(get_protocol(cfg.protocol, cfg.template), cfg.template)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"--{name} {getattr(cfg, name)}: {what} a rewrite prompt: {e} (R1-Searcher++ "
+                                  f"runs with --protocol r1_searcher_pp; --{name} 0 goes without)") from None
 
 
 def _is_gguf(spec: str) -> bool:

@@ -131,7 +131,7 @@ def rewrite_template(protocol, template: str = "") -> str:
     for a template set name (e.g. "toy"), else the paper-style templates/<protocol>_rewrite.txt."""
     path = rewrite_path(protocol.name, template)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no rewrite prompt for protocol {protocol.name!r} (mem_coef > 0 needs one)")
+        raise FileNotFoundError(f"{path} does not exist: no rewrite prompt for protocol {protocol.name!r}")
     text = path.read_text(encoding="utf-8")
     if "{documents}" not in text or "{question}" not in text:
         raise ValueError(f"{path}: a rewrite prompt needs {{documents}} and {{question}}")

@@ -276,7 +276,9 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
                              "fewshot, toy, '' (the paper's)"),
     (("--template", "searchlite/templates"), "--template 'searchlite/templates' is a folder; give a prompt file"),
     (("--template", "configs.toml"), "configs.toml: a prompt template needs a {question}"),  # run in the repo root
-    (("--mem_coef", "0.1"), "search_r1_rewrite.txt does not exist (R1-Searcher++ runs with --protocol r1_searcher_pp)"),
+    (("--mem_coef", "0.1"), "--mem_coef 0.1: the memorization loss needs a rewrite prompt: "),
+    (("--mem_coef", "0.1"), "search_r1_rewrite.txt does not exist: no rewrite prompt for protocol 'search_r1' "
+                            "(R1-Searcher++ runs with --protocol r1_searcher_pp; --mem_coef 0 goes without)"),
 ])
 def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):
     got = checked(*flags)

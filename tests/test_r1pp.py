@@ -627,6 +627,19 @@ def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
                    "--cold_start_sampler", "policy", "--sft_rewrites", "2"])
 
 
+def test_stage1_refuses_rewrite_demos_without_a_rewrite_prompt_before_sampling(tiny_model, tmp_path, monkeypatch):
+    """search_r1 has no rewrite prompt: the preset's sft_rewrites were refused by a traceback only after
+    the whole training set was sampled; now in one line before anything loads or is written."""
+    from searchlite import models
+
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    with pytest.raises(SystemExit, match=r"error: --sft_rewrites 600: the rewrite demonstrations need a rewrite "
+                                         r"prompt: .*toy_search_r1_rewrite.txt does not exist: .*--sft_rewrites 0"):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path / "out"),
+                   "--protocol", "search_r1"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_stage1_reads_its_data_before_loading_the_model(tiny_model, tmp_path, monkeypatch):
     from searchlite import models
 
