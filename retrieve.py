@@ -46,6 +46,23 @@ def check_port(host: str, port: int) -> None:
                  "pick another --port")
 
 
+def is_jsonl(path) -> bool:
+    """Whether the file `path` begins as a JSONL corpus does (a "{" after any blank or BOM), or is
+    gzipped: a FAISS file begins with its index type's four letters."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head[:2] == b"\x1f\x8b" or head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"{"
+
+
+def check_device(device) -> None:
+    """Refuse a --device this machine lacks (ValueError), before a corpus scan or an encoder load; called
+    once the flags a device would be ignored with are refused, so that those are named first."""
+    if device not in (None, "cpu"):
+        from searchlite.models import pick_device
+
+        pick_device(device)
+
+
 def make(args):
     """The retriever the arguments name."""
     from searchlite.retrieval import build_retriever, index_kind, load_index
@@ -61,7 +78,7 @@ def make(args):
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
     kind = None if args.kind == "auto" else args.kind
-    dense_kw = dict(device=args.device or "cpu", mmap=args.mmap)
+    dense_kw = dict(device=args.device or "cpu", mmap=args.mmap)  # (check_device: once a dense index will take it)
     if args.query_prefix is not None:
         dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
@@ -69,6 +86,8 @@ def make(args):
         if not kw and index_kind(args.index) and dense_only:
             raise ValueError(f"{' and '.join(dense_only)}: --index {args.index} holds a {index_kind(args.index)} "
                              "index, which encodes no queries; these flags are for a dense one")
+        if kw:
+            check_device(args.device)
         if kw and args.encoder:
             kw["encoder"] = args.encoder
         if kw and args.pooling is not None:  # not given: the folder's pooling
@@ -76,6 +95,9 @@ def make(args):
         return load_index(args.index, corpus, kind=kind, **kw)
     if args.index and not os.path.exists(args.index):
         raise FileNotFoundError(f"no index folder or FAISS file at {args.index}")
+    if args.index and is_jsonl(args.index):  # else taken for a FAISS file, and "give --corpus" followed
+        raise ValueError(f"--index {args.index} is a JSONL file, not an index: a corpus goes to --corpus (BM25 then "
+                         f"indexes it in memory), or `retrieve.py build --corpus {args.index}` writes an index folder")
     if args.index and kind in ("bm25", "rank_bm25"):  # else the file was ignored and BM25 built in memory
         raise ValueError(f"--index {args.index} is a file: a --kind {kind} index must be a folder written by "
                          "`retrieve.py build` (a FAISS file is read with --kind dense)")
@@ -85,9 +107,14 @@ def make(args):
     if kind != "dense" and dense_only:
         raise ValueError(f"{' and '.join(dense_only)}: for a dense retriever, which encodes queries; --kind {kind} "
                          "does not")
+    if kind == "dense" and not args.encoder and args.index:
+        raise ValueError(f"--index {args.index} is a FAISS file: give --encoder, the sentence encoder that made its "
+                         "passage vectors")
     if kind == "dense" and not args.encoder:
         raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
                          "retrieve.py build wrote)")
+    if kind == "dense":
+        check_device(args.device)
     return build_retriever(kind, corpus or resolve_path("toy/corpus.jsonl"), encoder=args.encoder,
                            pooling=args.pooling or "mean", index=args.index, **(dense_kw if kind == "dense" else {}))
 
@@ -126,6 +153,7 @@ def build(args) -> None:
     corpus, t0 = resolve_path(args.corpus), time.time()
     kind = build_kind(args)
     check_build(args, kind)
+    check_device(args.device)
     busy = ValueError(f"another retrieve.py build is writing to {args.out}; wait for it to finish, or choose "
                       "another --out")
     with held_folder(args.out, BUILD_LOCK, busy, scratch=("corpus_offsets.npz",)):  # a failed fresh build: no folder
@@ -207,14 +235,6 @@ def main(argv=None) -> None:
     if args.corpus and not os.path.isfile(resolve_path(args.corpus)):
         what = "a folder, not a file (a passages JSONL)" if os.path.isdir(resolve_path(args.corpus)) else "no such file"
         sys.exit(f"error: --corpus {args.corpus}: {what}")
-    local = args.cmd == "build" or not getattr(args, "url", None)
-    if args.device not in (None, "cpu") and local:  # checked before a corpus scan
-        from searchlite.models import pick_device
-
-        try:
-            pick_device(args.device)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
     if args.cmd == "query" and args.k < 1:
         sys.exit(f"error: --k must be a positive integer, got {args.k}")
     if args.cmd == "serve":  # before the index loads, which takes minutes on wiki-18

@@ -217,9 +217,47 @@ def test_a_faiss_file_names_the_flags_it_needs(tmp_path, corpus_file):
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: --index {faiss_file} is a FAISS file: give --corpus, "
                                                          "the corpus it was built over") + "$"):
         retrieve.main(["query", "--index", str(faiss_file), "q"])
-    with pytest.raises(SystemExit, match="^" + re.escape("error: --kind dense needs --encoder (the sentence encoder) "
-                                                         "or --index (a folder that retrieve.py build wrote)") + "$"):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --index {faiss_file} is a FAISS file: give --encoder, "
+                                                         "the sentence encoder that made its passage vectors") + "$"):
         retrieve.main(["query", "--index", str(faiss_file), "--corpus", str(corpus_file), "q"])
+
+
+def test_a_corpus_given_as_index_is_named_as_a_corpus(tmp_path, corpus_file):
+    """A JSONL corpus (plain, after a BOM and blank lines, or gzipped) given to --index was taken for a
+    FAISS file: "give --corpus", and then "--kind dense needs --encoder or --index" with --index given."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf\n \n" + corpus_file.read_bytes())
+    gz = tmp_path / "c.jsonl.gz"
+    write_jsonl(gz, map(passage_to_dict, CORPUS))
+    for path in (corpus_file, bom, gz):
+        for extra in ([], ["--corpus", str(corpus_file)]):
+            with pytest.raises(SystemExit, match="^" + re.escape(
+                    f"error: --index {path} is a JSONL file, not an index: a corpus goes to --corpus (BM25 then indexes "
+                    f"it in memory), or `retrieve.py build --corpus {path}` writes an index folder") + "$"):
+                retrieve.main(["query", "--index", str(path), *extra, "q"])
+
+
+def test_flags_a_bm25_index_ignores_are_named_before_the_device_is_checked(bm25_folder, corpus_file, tmp_path,
+                                                                          monkeypatch):
+    """--device cuda on a machine without one, beside a BM25 folder, corpus or build: the flag is refused as
+    one BM25 ignores (with --device cpu it was refused so, after "use --device cpu"); a dense index
+    still has its device checked."""
+    def no_gpu(device):
+        raise ValueError(f"--device {device}: no GPU here")
+
+    monkeypatch.setattr("searchlite.models.pick_device", no_gpu)
+    for argv, refusal in ((["query", "--index", str(bm25_folder)], "holds a bm25 index, which encodes no queries"),
+                          (["query", "--corpus", str(corpus_file)], "for a dense retriever, which encodes queries"),
+                          (["serve", "--index", str(bm25_folder), "--port", str(free_port())], "holds a bm25 index"),
+                          (["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "b")], "not for a bm25 build")):
+        with pytest.raises(SystemExit, match="^error: --device: .*" + re.escape(refusal)):
+            retrieve.main([*argv, "--device", "cuda", *(["x"] if argv[0] == "query" else [])])
+    assert not (tmp_path / "b").exists()
+    for argv in (["query", "--corpus", str(corpus_file), "--encoder", "e5", "x"],
+                 ["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "d"), "--encoder", "e5"]):
+        with pytest.raises(SystemExit, match=r"^error: --device cuda: no GPU here$"):
+            retrieve.main([*argv, "--device", "cuda"])
+    assert not (tmp_path / "d").exists()
 
 
 def test_query_of_a_server_refuses_the_flags_of_a_local_index(server, corpus_file):
