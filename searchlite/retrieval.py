@@ -281,11 +281,14 @@ class TextEncoder:
         name = encoder_name(name)
         self.name, self.pooling, self.batch_size = name, pooling, batch_size
         self.device = torch.device(device)
+        if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"encoder {name!r}: no config.json in that folder; expected a Hugging Face encoder "
+                             "folder (save_pretrained) or a hub name such as intfloat/e5-base-v2")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(name)
             self.model = AutoModel.from_pretrained(name).to(self.device).eval()
-        except OSError as e:  # no such folder, and no hub (offline) or no such name there
-            raise ValueError(f"encoder {name!r} could not be loaded: {e}") from None
+        except (OSError, ValueError) as e:  # no such folder and no hub (offline), no such name there, no tokenizer
+            raise ValueError(f"encoder {name!r} could not be loaded: {' '.join(str(e).split())}") from None
         if self.tokenizer.pad_token is None:  # decoder-style encoders ship without one
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         # a longer text would reach past the encoder's position table (BERT's 512; RoBERTa's 514 holds

@@ -570,6 +570,20 @@ def test_config_retriever_names_an_encoder_that_does_not_load(tmp_path):
         config_retriever(cfg)
 
 
+def test_a_folder_that_is_not_an_encoder_is_named_in_one_line(tmp_path):
+    """A folder without config.json says so; one whose tokenizer cannot load gives transformers' reason on
+    one line (it was five, and named neither the encoder nor its folder)."""
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    with pytest.raises(ValueError, match="^" + re.escape(f"encoder '{enc}': no config.json in that folder; expected "
+                                                         "a Hugging Face encoder folder") + ".*e5-base-v2$"):
+        TextEncoder(str(enc))
+    (enc / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ValueError, match="^" + re.escape(f"encoder '{enc}' could not be loaded: ")) as e:
+        TextEncoder(str(enc))
+    assert "\n" not in str(e.value) and "  " not in str(e.value)
+
+
 def test_pooling_other_than_the_index_folders_is_refused(dense, tmp_path):
     """--pooling cls on a folder of mean-pooled vectors was dropped without a word (the folder's
     pooling won) while evaluate.py recorded cls."""
