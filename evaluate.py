@@ -54,7 +54,7 @@ from functools import partial
 from pathlib import Path
 
 from searchlite.config import (NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
-                               not_a_folder, resolve_path)
+                               not_a_folder, plain_warnings, resolve_path)
 from searchlite.data import DataError, held_folder, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
@@ -543,4 +543,5 @@ def evaluate(args, held: ExitStack) -> dict:
 
 
 if __name__ == "__main__":
+    plain_warnings(__file__)
     main()

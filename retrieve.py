@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 
-from searchlite.config import ArgumentParser, HelpFormatter, at_least, not_a_folder, resolve_path
+from searchlite.config import ArgumentParser, HelpFormatter, at_least, not_a_folder, plain_warnings, resolve_path
 from searchlite.retrieval import HTTP_QUERY_CHARS
 from searchlite.data import DataError
 
@@ -272,4 +272,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    plain_warnings(__file__)
     main()

@@ -34,8 +34,8 @@ import torch
 
 from searchlite import distributed as dist
 from searchlite.advantages import broadcast, gae, group_advantages, ppo_token_rewards, reinforce_pp_advantages
-from searchlite.config import (ConfigError, check_config, format_config, parse_args, resolve_path, save_config,
-                               to_dict)
+from searchlite.config import (ConfigError, check_config, format_config, parse_args, plain_warnings, resolve_path,
+                               save_config, to_dict)
 from searchlite.data import DataError, json_line, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
@@ -635,6 +635,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
 
 
 if __name__ == "__main__":
+    plain_warnings(__file__)
     try:
         main()
     except KeyboardInterrupt as e:  # Ctrl-C before the training loop, or a second signal inside it

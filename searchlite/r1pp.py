@@ -524,4 +524,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from .config import plain_warnings
+
+    plain_warnings(__file__)
     main()

@@ -20,7 +20,7 @@ import html
 import json
 from pathlib import Path
 
-from .config import ArgumentParser, HelpFormatter, at_least, bool_arg
+from .config import ArgumentParser, HelpFormatter, at_least, bool_arg, plain_warnings
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }
@@ -185,4 +185,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    plain_warnings(__file__)
     main()

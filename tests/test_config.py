@@ -3,10 +3,13 @@
 import json
 import re
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
-from searchlite.config import Config, ConfigError, field_help, parse_args, resolve_path, save_config
+import searchlite.config
+from searchlite.config import Config, ConfigError, field_help, parse_args, plain_warnings, resolve_path, save_config
 
 PRESETS = """
 [small]
@@ -570,3 +573,15 @@ def test_a_dense_retriever_may_take_its_encoder_from_a_saved_index():
     """--retriever dense --index FOLDER needs no --encoder (the index names it): only neither is refused."""
     assert checked("--retriever", "dense", "--index", "toy/model") is None
     assert "--retriever dense needs --encoder" in checked("--retriever", "dense")
+
+
+def test_plain_warnings_prints_a_warning_of_searchlite_or_the_script_on_one_line(tmp_path, monkeypatch):
+    """A script's warning, or searchlite's, is 'warning: ...' alone, as the scripts' errors are; another
+    package's keeps Python's form, with its file, line and source."""
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back after the test
+    script = tmp_path / "tool.py"
+    plain_warnings(str(script))
+    for where in (searchlite.config.__file__, str(Path(searchlite.config.__file__).parent / "retrieval.py"), script):
+        assert warnings.formatwarning("corpus changed", UserWarning, str(where), 7, "x = 1") == "warning: corpus changed\n"
+    assert warnings.formatwarning("old", FutureWarning, "/elsewhere/pkg/mod.py", 3, "y = 2") == \
+        "/elsewhere/pkg/mod.py:3: FutureWarning: old\n  y = 2\n"

@@ -3,8 +3,12 @@ prints what the index finds and refuses what it cannot search, `serve` probes th
 will listen on and hands its address and request bounds to the server."""
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -208,6 +212,20 @@ def test_query_names_an_unfinished_or_missing_index(tmp_path):
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: no index folder or FAISS file at {tmp_path / 'no'}")
                                          + "$"):
         retrieve.main(["query", "--index", str(tmp_path / "no"), "q"])
+
+
+def test_a_corpus_edited_since_the_build_is_a_one_line_warning(bm25_folder, corpus_file):
+    """Run as a script, retrieve.py prints searchlite's warning as 'warning: ...', not with the library
+    line that raised it; the query still answers."""
+    built = corpus_file.stat().st_mtime_ns
+    corpus_file.write_text(corpus_file.read_text().replace("violin", "VIOLIN"))  # the same size
+    os.utime(corpus_file, ns=(built + 10**9, built + 10**9))  # a later time, whatever the clock's tick
+    done = subprocess.run([sys.executable, "retrieve.py", "query", "--index", str(bm25_folder), "--k", "1", "violin"],
+                          cwd=Path(retrieve.__file__).parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("query: violin\n  1. ["), done.stderr
+    assert done.stderr == (f"warning: {corpus_file} changed since {bm25_folder} was built from it (its size or "
+                           "modification time differs): the index scores the text as it was; rebuild it with "
+                           "`python retrieve.py build`\n")
 
 
 def test_a_faiss_file_names_the_flags_it_needs(tmp_path, corpus_file):
