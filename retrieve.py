@@ -140,8 +140,10 @@ def check_build(args, kind: str) -> None:
         sys.exit(f"error: {' and '.join(other)}: not for a {kind} build{why}")
     if kind == "dense" and not args.encoder:
         sys.exit("error: a dense build needs --encoder (e.g. intfloat/e5-base-v2)")
-    if kind == "bm25" and ((args.k1 or 0) < 0 or not 0 <= (0 if args.b is None else args.b) <= 1):
-        sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 (got --k1 {args.k1}, --b {args.b})")
+    bad = [f"--k1 {args.k1}"] * (args.k1 is not None and not args.k1 >= 0)
+    bad += [f"--b {args.b}"] * (args.b is not None and not 0 <= args.b <= 1)
+    if kind == "bm25" and bad:  # (a flag left out takes its default)
+        sys.exit(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1; got {' and '.join(bad)}")
     if why := not_a_folder("--out", args.out):
         sys.exit(f"error: {why}")
 

@@ -63,17 +63,19 @@ def test_build_reports_the_folder_and_its_passage_count(tmp_path, corpus_file, c
 
 def test_bm25_build_takes_the_bounds_of_k1_and_b(tmp_path, corpus_file, capsys):
     """--k1 0, --b 0 and --b 1 are in range (k1 >= 0, 0 <= b <= 1) and are the index's, not bm25s's
-    defaults (1.5, 0.75); a refusal reports each value under its own flag."""
+    defaults (1.5, 0.75); a refusal names each value out of range under its own flag, and not a flag
+    left out (it was "--b None"); NaN is out of range (--k1 nan was taken)."""
     for k1, b in (("0", "1"), ("2", "0")):
         out = tmp_path / f"k{k1}b{b}"
         retrieve.main(["build", "--corpus", str(corpus_file), "--k1", k1, "--b", b, "--out", str(out)])
         index = load_index(out).index
         assert (index.k1, index.b) == (float(k1), float(b))
-    with pytest.raises(SystemExit, match=r"^error: BM25 needs --k1 >= 0 and 0 <= --b <= 1 \(got --k1 -1\.0, "
-                                         r"--b None\)$"):
-        retrieve.main(["build", "--corpus", str(corpus_file), "--k1", "-1", "--out", str(tmp_path / "bad")])
-    with pytest.raises(SystemExit, match=r"\(got --k1 None, --b 1\.5\)$"):
-        retrieve.main(["build", "--corpus", str(corpus_file), "--b", "1.5", "--out", str(tmp_path / "bad")])
+    for flags, got in ((["--k1", "-1"], "--k1 -1.0"), (["--b", "1.5"], "--b 1.5"), (["--k1", "nan"], "--k1 nan"),
+                       (["--k1", "-0.5", "--b", "-0.1"], "--k1 -0.5 and --b -0.1"), (["--k1", "1", "--b", "nan"], "--b nan")):
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1; got {got}")
+                                             + "$"):
+            retrieve.main(["build", "--corpus", str(corpus_file), *flags, "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_build_into_a_folder_another_build_holds_names_that_folder(tmp_path, corpus_file):
