@@ -109,6 +109,7 @@ def plot(runs: list[str], out: str) -> Path:
     axes[0][0].legend(handles=[Line2D([], [], color=f"C{i % 10}", label=name) for i, name in enumerate(names)],
                       fontsize=8)  # every run, also one the first panel lacks
     fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # as view's --out: a new folder for the figure is made
     fig.savefig(out, dpi=110)
     plt.close(fig)  # a caller plotting again and again keeps no figure open
     return Path(out)

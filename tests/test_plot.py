@@ -218,6 +218,15 @@ def test_an_upper_case_suffix_is_a_known_format(tmp_path):
     assert out == tmp_path / "C.PNG" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_out_in_a_new_folder_is_written_there(tmp_path):
+    """--out in a folder not made yet: the folders are made, as view's --out does (it stopped on
+    'No such file or directory')."""
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.1}])
+    out = plot([str(run)], str(tmp_path / "figs" / "new" / "c.png"))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_run_given_twice_is_named_before_anything_is_drawn(tmp_path, monkeypatch):
     """The same run twice, as its folder, its metrics.jsonl or another path to it, is refused naming
     both arguments: its two lines would share a name in the legend and look like two runs that agree."""
