@@ -44,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .data import append_log, read_log, write_durably
-from .protocol import TEMPLATE_DIR, _last_boxed
+from .protocol import TEMPLATE_DIR, _last_boxed, template_sets
 from .rewards import cover_exact_match, exact_match, f1_score
 from .rollout import rollout
 
@@ -80,7 +80,9 @@ def load_prompts(prompts: str | None = None) -> dict[str, str]:
                 Path(prompts).is_dir() and not any(TEMPLATE_DIR.glob(f"{prompts}_*.txt"))):  # a set, not a folder here
             path = TEMPLATE_DIR / f"{prompts}_{method}.txt"
             if not path.exists():
-                raise ValueError(f"no prompt set '{prompts}': {path} does not exist")
+                sets = [w for w in template_sets(method) if not w.startswith("''")]
+                raise ValueError(f"no prompt set '{prompts}': {path} does not exist; the sets here: "
+                                 f"{', '.join(sets)}, '' (searchlite's own), or give a folder of <method>.txt files")
         elif prompts and (Path(prompts) / f"{method}.txt").exists():
             path = Path(prompts) / f"{method}.txt"
         elif prompts and not Path(prompts).is_dir():

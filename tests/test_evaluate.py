@@ -223,7 +223,8 @@ def test_prompt_sets(tmp_path):
     (tmp_path / "rag.txt").write_text("no placeholders")
     with pytest.raises(ValueError, match="placeholder"):
         load_prompts(str(tmp_path))
-    with pytest.raises(ValueError, match="no prompt set 'nosuchset'"):
+    with pytest.raises(ValueError, match=r"no prompt set 'nosuchset': .*nosuchset_\w+\.txt does not exist; the sets "
+                                         r"here: fewshot, toy, '' \(searchlite's own\), or give a folder"):
         load_prompts("nosuchset")
     (tmp_path / "myprompts").mkdir()  # a folder here named by a bare word: was "no prompt set 'myprompts'"
     (tmp_path / "myprompts" / "direct.txt").write_text("Mine: {question}")
