@@ -99,7 +99,9 @@ def run_tokenizer(cfg):
     try:
         return load_tokenizer(spec)
     except (OSError, ValueError) as e:  # ValueError: a folder without tokenizer files
-        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer: {' '.join(str(e).split())[:300]}") from None
+        hub = "" if Path(resolve_path(spec)).exists() else f" (no folder {spec} here, so it was asked of the hub)"
+        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer{hub}: "
+                          f"{' '.join(str(e).split())[:300]}") from None
 
 
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,

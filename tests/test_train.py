@@ -452,7 +452,8 @@ def test_a_model_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch):
         raise OSError(f"{path} is not a local folder and is not a valid model identifier\nmore lines")
 
     monkeypatch.setattr(searchlite.models, "load_tokenizer", unknown)
-    with pytest.raises(SystemExit, match=r"^error: --model Org/nosuch: could not load its tokenizer: Org/nosuch is "
+    with pytest.raises(SystemExit, match=r"^error: --model Org/nosuch: could not load its tokenizer \(no folder "
+                                         r"Org/nosuch here, so it was asked of the hub\): Org/nosuch is "
                                          r"not a local folder and is not a valid model identifier more lines$"):
         train.main(["--model", "Org/nosuch", "--out_dir", str(tmp_path / "run"), "--steps", "1"])
 
