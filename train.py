@@ -340,7 +340,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
     # data and retriever first: a bad line (its file, line and field) or a retrieval server that does not
     # answer stops the run in seconds, not after a 3B model has loaded
     try:
-        train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data))
+        # a training set may repeat an id (merged from two); the test set's records are keyed by id, as evaluate.py's
+        train_qa, test_qa = read_qa(resolve_path(cfg.train_data)), read_qa(resolve_path(cfg.test_data), unique_ids=True)
         for name, qa in (("train_data", train_qa), ("test_data", test_qa)):
             if not qa:
                 raise DataError(f"--{name} {getattr(cfg, name)}: no questions in the file")

@@ -639,6 +639,20 @@ def test_bad_data_line_stops_the_run_before_any_model_loads(tiny_model, tmp_path
     assert (tmp_path / "kept").is_dir()
 
 
+def test_a_test_set_with_a_repeated_id_is_refused_and_a_training_set_may_repeat_one(tiny_model, tmp_path, monkeypatch):
+    """The evaluation's records are keyed by id: a test set repeating one wrote two records under it,
+    and the evaluate.py command the run ends with refused the file. A training set may repeat an id."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"id": "a", "question": "who?", "golden_answers": ["x"]}\n'
+                    '{"id": "a", "question": "where?", "golden_answers": ["y"]}\n')
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the data were read"))
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {data}:2: duplicate id 'a' (first on line 1)") + "$"):
+        train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--test_data", str(data)]))
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("read"))  # the data passed: a model loads
+    with pytest.raises(pytest.fail.Exception, match="read"):
+        train.main(args(tiny_model, tmp_path / "out", "grpo", extra=["--train_data", str(data)]))
+
+
 def test_score_tokens_uses_the_sampling_temperature(tiny_llama):
     from searchlite.losses import token_logprobs
 
