@@ -220,7 +220,14 @@ def main() -> None:
 
     runs = load_runs(args.runs)
     first = runs[args.runs[0]][0]
-    sets = question_sets(first, read_qa(resolve_path(first["train_data"])), args.limit)
+    train_qa = read_qa(resolve_path(first["train_data"]))
+    sets = question_sets(first, train_qa, args.limit)
+    if not sets["drawn"]:  # (all drawn, or all famous): a table of zeros said nothing
+        sys.exit(f"error: {args.runs[0]}: no non-famous training question it drew has a never-drawn one to stand "
+                 f"beside ({len(train_qa)} questions in {first['train_data']}); nothing to compare")
+    if epochs and (lacking := next((q for q in sets["drawn"] if "hops" not in q.meta), None)):
+        sys.exit(f"error: --sft_epochs: training question {lacking.id!r} ({first['train_data']}) has no 'hops' "
+                 "field: the ceiling's facts are the toy world's hops")
     models = ([("start: " + first["model"], resolve_path(first["model"]), first)] if args.start else [])
     models += [(run, str(ckpt / "policy"), c) for run, (c, ckpt) in runs.items()]
     print(f"{len(sets['drawn'])} non-famous training questions drawn by seed {first['seed']} "

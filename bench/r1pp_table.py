@@ -43,6 +43,27 @@ def need(path: Path, hint: str) -> Path:
     return path
 
 
+def check_questions(runs: list[Path], test: Path) -> None:
+    """A one-line error (exit status 2) unless `test` carries the toy world's hops and every run was
+    evaluated on its questions: the tables after the first look each record's question up there."""
+    questions = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lacking = next((q for q in questions if not {"id", "hops", "famous"} <= q.keys()), None)
+    if lacking is not None:
+        print(f"r1pp_table: {test}: question {lacking.get('id', '(no id)')!r} has no 'hops' or 'famous' field: "
+              "the tables of hops read the toy world's questions (--data)", file=sys.stderr)
+        sys.exit(2)
+    ids = {q["id"] for q in questions}
+    for run in runs:
+        for f in sorted((run / "eval").glob("step_*.jsonl")):
+            other = next((r["id"] for r in map(json.loads, f.read_text(encoding="utf-8").splitlines())
+                          if r["id"] not in ids), None)
+            if other is not None:
+                print(f"r1pp_table: {f}: question {other!r} is not in {test}: the run was evaluated on other "
+                      "questions (its --test_data); --data names the folder of the toy world's files it used",
+                      file=sys.stderr)
+                sys.exit(2)
+
+
 def run_summary(path: Path) -> tuple[dict, dict, int, int]:
     """(first eval row, last eval row, rewrites kept, rewrites tried) of a run's metrics.jsonl."""
     from searchlite.data import DataError, read_log
@@ -158,6 +179,7 @@ def main() -> None:
         need(run / "metrics.jsonl", "bash bench/r1pp_ablation.sh makes the default runs; --runs names others")
     for name in ("test.jsonl", "train.jsonl"):
         need(data / name, "--data names a folder with test.jsonl and train.jsonl")
+    check_questions(runs, data / "test.jsonl")
 
     print("| run | step | test EM | RC | " + " | ".join(f"{t} EM / RC" for t in TYPES) + " | L_M rewrites kept |")
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")

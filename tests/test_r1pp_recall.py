@@ -168,7 +168,8 @@ def test_start_flag_is_a_boolean(recall, monkeypatch):
     monkeypatch.setattr(recall, "load_runs", lambda runs: run)
     monkeypatch.setattr(recall, "read_qa", lambda path: [])
     monkeypatch.setattr(recall, "resolve_path", str)
-    monkeypatch.setattr(recall, "question_sets", lambda cfg, qa, limit: {"drawn": [], "control": []})
+    one = [QA("q", "?", ["a"], {})]
+    monkeypatch.setattr(recall, "question_sets", lambda cfg, qa, limit: {"drawn": one, "control": one})
     monkeypatch.setattr(recall, "answer", lambda model, sets, cfg: asked.append(str(model)) or
                         {"drawn": [], "control": []})
     for flag, models in (("True", ["m", "r/checkpoint/policy"]), ("0", ["r/checkpoint/policy"])):
@@ -187,6 +188,25 @@ def test_question_sets_without_a_famous_flag_are_plain(recall):
     train = [QA(f"q{i}", f"question {i}?", [f"a{i}"], {}) for i in range(12)]
     sets = recall.question_sets({"seed": 0, "steps": 2, "batch_size": 3}, train, limit=0)
     assert len(sets["drawn"]) == len(sets["control"]) == 6
+
+
+def test_main_with_nothing_to_compare_or_no_hops_for_the_ceiling_says_so(recall, monkeypatch, capsys):
+    """A training set the run drew whole (2 steps x 6 of 12) left no control, and a table of zeros; a
+    ceiling over questions without the toy world's hops ended in a KeyError traceback."""
+    base = {"model": "m", "seed": 0, "batch_size": 6, "steps": 2, "train_data": "t"}
+    train = [QA(f"q{i}", f"question {i}?", [f"a{i}"], {}) for i in range(12)]
+    monkeypatch.setattr(recall, "load_runs", lambda names: {"r": (base, Path("r/checkpoint"))})
+    monkeypatch.setattr(recall, "read_qa", lambda path: train)
+    monkeypatch.setattr(recall, "resolve_path", str)
+    monkeypatch.setattr(recall, "answer", lambda *a: pytest.fail("a model answered"))
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r"])
+    with pytest.raises(SystemExit, match=r"^error: r: no non-famous training question it drew has a never-drawn one "
+                                         r"to stand beside \(12 questions in t\); nothing to compare$"):
+        recall.main()
+    base["steps"] = 1
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--sft_epochs", "1"])
+    with pytest.raises(SystemExit, match=r"^error: --sft_epochs: training question 'q\d+' \(t\) has no 'hops' field"):
+        recall.main()
 
 
 def test_question_sets_cap_both_sets_at_the_smaller_one(recall):

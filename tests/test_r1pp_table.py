@@ -107,6 +107,29 @@ def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch
     assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
 
 
+def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, world, monkeypatch, tmp_path, capsys):
+    """A run evaluated on its own --test_data, or a --data folder whose questions carry no hops, ended
+    in a KeyError traceback after the first table."""
+    run = make_run(tmp_path)
+    with open(run / "eval" / "step_000002.jsonl", "a") as f:
+        f.write(json.dumps({"id": "0", "em": 0.0, "searches": 1, "docs": []}) + "\n")
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err == (
+        f"r1pp_table: {run / 'eval' / 'step_000002.jsonl'}: question '0' is not in {tmp_path / 'test.jsonl'}: the "
+        "run was evaluated on other questions (its --test_data); --data names the folder of the toy world's files "
+        "it used\n")
+    write_jsonl(tmp_path / "test.jsonl", [{"id": "0", "question": "who?", "golden_answers": ["x"]}])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err == (
+        f"r1pp_table: {tmp_path / 'test.jsonl'}: question '0' has no 'hops' or 'famous' field: the tables of hops "
+        "read the toy world's questions (--data)\n")
+
+
 def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, monkeypatch, tmp_path, capsys):
     """A half-written last line (train.py appending) was a JSONDecodeError traceback, and an
     evaluation without a question type (a small --eval_size) a KeyError."""
