@@ -69,6 +69,11 @@ def check_levers(cfg) -> None:
     if cfg.lora_rank and cfg.ref_offload:
         raise ConfigError("--ref_offload with --lora_rank: the LoRA reference is the policy itself with its "
                           "adapters disabled, there is no separate reference to offload; drop one of the two")
+    shared = [t for t in map(str.strip, cfg.lora_targets.split(",")) if t.endswith(("embed_tokens", "lm_head"))]
+    if cfg.lora_rank and cfg.sampler == "vllm" and shared and ties_embeddings(cfg.model):
+        raise ConfigError(f"--lora_targets {cfg.lora_targets} with --sampler vllm: {cfg.model} ties its embeddings and "
+                          f"LM head, which vLLM holds as one matrix, and a LoRA on {', '.join(shared)} makes them "
+                          "two; leave those targets out, or use --sampler hf")
     if cfg.resume:
         from .models import find_checkpoint
 
@@ -78,6 +83,17 @@ def check_levers(cfg) -> None:
             what = "a LoRA adapter" if has_adapter else "full weights"
             raise ConfigError(f"--resume: {ckpt / 'policy'} holds {what} but --lora_rank is {cfg.lora_rank}; "
                               "resume with the run's own settings (its config.json)")
+
+
+def ties_embeddings(model: str) -> bool:
+    """Whether the model folder `model` ties its input embeddings to its LM head (its config, with the
+    architecture's default); False for what is not a local folder (a hub name: the load says more)."""
+    folder = Path(resolve_path(model))
+    if not (folder / "config.json").is_file():
+        return False
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(folder), "tie_word_embeddings", False))
 
 
 # ---------------------------------------------------------------------------- optimizer

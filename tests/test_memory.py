@@ -3,6 +3,7 @@ train; AdamW8bit steps and trains; ref_offload scores the same reference; gradie
 gives the same gradients; bf16 runs end to end."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -419,6 +420,24 @@ def make_rollout(ids):
 def test_bad_lever_settings_are_config_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
         check_levers(Config(**settings))
+
+
+def test_lora_on_tied_embeddings_with_vllm_is_refused_before_any_model_loads(byte_tokenizer, tmp_path):
+    """vLLM holds tied embeddings and LM head as one matrix: a LoRA on either was refused only when the
+    first weights were pushed, after the models and the engine had loaded. An untied model, other targets,
+    the transformers sampler and a hub name (not read here) pass."""
+    for tie in (True, False):
+        make_tiny_llama(byte_tokenizer, tie=tie).save_pretrained(tmp_path / f"tie{tie}")
+    tied = dict(model=str(tmp_path / "tieTrue"), lora_rank=4, sampler="vllm")
+    for targets, named in (("embed_tokens,q_proj", "embed_tokens"), ("q_proj, lm_head", "lm_head"),
+                           ("model.embed_tokens", "model.embed_tokens")):
+        with pytest.raises(ConfigError, match="^" + re.escape(
+                f"--lora_targets {targets} with --sampler vllm: {tmp_path / 'tieTrue'} ties its embeddings and LM "
+                f"head, which vLLM holds as one matrix, and a LoRA on {named} makes them two")):
+            check_levers(Config(**tied, lora_targets=targets))
+    for ok in ({"lora_targets": "all-linear"}, {"lora_targets": "q_proj,v_proj"}, {"sampler": "hf"},
+               {"model": str(tmp_path / "tieFalse")}, {"model": "Org/some-model"}, {"lora_rank": 0}):
+        check_levers(Config(**{**tied, "lora_targets": "embed_tokens", **ok}))
 
 
 REFAULT_PROBE = """
