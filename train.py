@@ -162,6 +162,10 @@ def check_resume(cfg, digest: dict | None = None) -> list[str]:
     except (RuntimeError, EOFError, OSError) as e:  # a file damaged outside (saves are whole or not at all)
         raise ConfigError(f"--resume: {ckpt / 'trainer.pt'} cannot be read ({str(e).splitlines()[0]}); resume "
                           "from a copy of the folder, or rerun without --resume to start over") from None
+    for part in ("policy", "critic") if (ckpt / "critic").exists() else ("policy",):
+        if not any((ckpt / part).glob("*.safetensors")):  # deleted or lost outside: was transformers' traceback
+            raise ConfigError(f"--resume: {ckpt / part} holds no weights (no *.safetensors file); resume from a copy "
+                              "of the folder, or rerun without --resume to start over")
     saved = state["config"]
     if "master_weights" not in saved and saved.get("dtype") != "float32":  # saved before the field: bf16 weights
         saved = {**saved, "master_weights": False}  # so a resume names the change (twice the weight memory)

@@ -608,6 +608,20 @@ def test_a_damaged_trainer_state_is_named_on_resume(tiny_model, tmp_path):
         train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
 
 
+def test_a_checkpoint_without_its_weights_is_named_on_resume(tiny_model, tmp_path, monkeypatch):
+    """A policy (or PPO critic) folder whose weights were deleted outside the program ended in
+    transformers' traceback; now one line naming the folder, before any model loads."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "ppo", steps=1))
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded"))
+    for part in ("critic", "policy"):
+        for f in (out / "checkpoint" / part).glob("*.safetensors"):
+            f.unlink()
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --resume: {out / 'checkpoint' / part} holds no "
+                                                             "weights (no *.safetensors file); resume from a copy")):
+            train.main(args(tiny_model, out, "ppo", steps=2, extra=["--resume"]))
+
+
 def test_a_metric_that_is_not_finite_is_logged_as_null():
     from searchlite.data import json_line
 
