@@ -328,6 +328,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
         except ConfigError as e:
             sys.exit(f"error: {e}")
     found = find_checkpoint(out)
+    # an earlier run's log with no checkpoint (stopped before its first save, or --steps 0): set aside as a checkpoint is
+    log_only = found is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
     logged = []  # the rows a resume keeps (those up to its checkpoint), read now: a damaged line is named
     if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():  # before the models load
         try:
@@ -460,14 +462,15 @@ def train(argv, held: contextlib.ExitStack) -> None:
         aside = " (checkpoint.previous holds the run a fresh start set aside: to continue it, rename it and its " \
                 "*.previous files back)" if (out / "checkpoint.previous").is_dir() else ""
         print(f"--resume: no checkpoint in {out}, starting fresh{aside}", flush=True)
-    if found and not cfg.resume and dist.is_main():  # a forgotten --resume: said before step 0's evaluation
-        print(f"note: {out} holds a checkpoint of an earlier run; this run starts fresh (--resume continues it "
-              "instead) and sets the earlier run aside after its step-0 evaluation (a Ctrl-C before then "
-              "changes no file)", flush=True)
+    if (found and not cfg.resume or log_only) and dist.is_main():  # a forgotten --resume: said before step 0's eval
+        what = "a checkpoint" if found else "the metrics.jsonl, with no checkpoint,"
+        print(f"note: {out} holds {what} of an earlier run; this run starts fresh"
+              + " (--resume continues it instead)" * bool(found) + " and sets the earlier run aside after its step-0 "
+              "evaluation (a Ctrl-C before then changes no file)", flush=True)
     first_eval = evaluate(0) if start == 0 else None  # before any file changes, as the note says
     if dist.is_main():  # only now that everything has loaded and step 0 is scored: a run stopped before changes no file
-        if found and not cfg.resume:  # the earlier run is kept as *.previous, not replaced
-            moved = set_aside(out, (found.name, *PREVIOUS_RUN))
+        if found and not cfg.resume or log_only:  # the earlier run is kept as *.previous, not replaced
+            moved = set_aside(out, ((found.name,) if found else ()) + PREVIOUS_RUN)
             shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
             print(f"note: the earlier run is kept: {', '.join(moved)}", flush=True)
         if start < cfg.steps or not start:  # a resume with nothing to train leaves the run's settings as they were

@@ -551,6 +551,24 @@ def test_a_run_of_no_steps_says_it_saved_no_model(tiny_model, tmp_path, capsys):
     assert [r["step"] for r in metrics(tmp_path / "run")] == [0]
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_earlier_run_without_a_checkpoint_is_set_aside_too(tiny_model, tmp_path, capsys, resume):
+    """A --steps 0 evaluation (or a run stopped before its first save) left only its log: the next run
+    there, fresh or with a --resume that finds no checkpoint, emptied metrics.jsonl and eval/ without a word."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=0))
+    first = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    train.main(args(tiny_model, out, "grpo", steps=0, extra=["--resume"] * resume))
+    printed = capsys.readouterr().out
+    assert (f"note: {out} holds the metrics.jsonl, with no checkpoint, of an earlier run; this run starts fresh and "
+            "sets the earlier run aside after its step-0 evaluation") in printed
+    assert ("note: the earlier run is kept: config.json -> config.previous.json, metrics.jsonl -> "
+            "metrics.previous.jsonl, eval -> eval.previous") in printed
+    assert (out / "metrics.previous.jsonl").read_text() == first and (out / "eval.previous" / "step_000000.jsonl").exists()
+    assert [r["step"] for r in metrics(out)] == [0]
+
+
 def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_model, tmp_path):
     """A save that died before removing checkpoint.old leaves it beside checkpoint: the earlier run set
     aside, a fresh run that has not saved yet (here: --steps 0) must not leave that copy for --resume."""
@@ -1278,6 +1296,8 @@ def test_resume_refuses_every_setting_the_checkpoint_keeps(tmp_path, monkeypatch
     base = ["--preset", "none", "--resume", "--out_dir", str(tmp_path / "run"), "--lora_rank", "8",
             "--lora_targets", "q_proj,v_proj"]
     saved = to_dict(parse_args(base))
+    (tmp_path / "run" / "checkpoint" / "policy").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "policy" / "adapter_model.safetensors").touch()  # its weights, as far as it looks
     monkeypatch.setattr(train, "find_checkpoint", lambda out: tmp_path / "run" / "checkpoint")
     monkeypatch.setattr(train, "load_trainer_state", lambda ckpt, mmap=False: {"config": saved})
     assert train.check_resume(parse_args(base + ["--lora_targets", "v_proj, q_proj"])) == []
