@@ -359,6 +359,10 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         from_preset.pop("retriever", None)
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
+    for key in sorted(given & IDLE.keys()):  # typed, and read by nothing the other settings run
+        unread, why = IDLE[key]
+        if unread(cfg):
+            print(f"note: --{key} {getattr(cfg, key)} does nothing {why}", file=sys.stderr, flush=True)
     if not cfg.out_dir:  # a program that reads no --algo (stage 1) names its folder after the preset alone
         cfg.out_dir = f"runs/{preset}-{cfg.algo}" if not reads or "algo" in reads else f"runs/{preset}"
     if defaulted and preset.startswith("toy") and not _toy_shaped(cfg.model):
@@ -390,6 +394,17 @@ def _named(cfg, name: str) -> str:
     return getattr(cfg, "searchlite_sources", {}).get(name, f"--{name}")
 
 
+_NO_CRITIC = (lambda c: c.algo != "ppo", "without a critic (--algo ppo)")
+_NO_LORA = (lambda c: not c.lora_rank, "without --lora_rank")
+_NO_GROUP_REWARD = (lambda c: c.reward != "r1pp" or not c.group_reward, "without the group reward (--reward r1pp)")
+IDLE = {  # field: (whether the settings `c` leave it unread, why), for a note when it is typed
+    "critic_lr": _NO_CRITIC, "critic_warmup_steps": _NO_CRITIC, "value_clip_eps": _NO_CRITIC, "lam": _NO_CRITIC,
+    "lora_alpha": _NO_LORA, "lora_targets": _NO_LORA,
+    "master_weights": (lambda c: c.dtype == "float32" or c.lora_rank > 0,
+                       "unless --dtype bfloat16 trains every weight (no --lora_rank)"),
+    "group_reward": (lambda c: c.reward != "r1pp", "without --reward r1pp"),
+    "eta": _NO_GROUP_REWARD, "group_sigma": _NO_GROUP_REWARD,
+}
 STAGE1_ONLY = ("cold_start_sampler", "sft_questions", "sft_epochs", "sft_lr", "sft_batch_size", "sft_rewrites")
 CHOICES = {  # fields that take one of a few values (parallel, dtype and retriever: in check_config)
     "pooling": ("mean", "cls"),
