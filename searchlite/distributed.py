@@ -267,12 +267,15 @@ def wrap_model(model: nn.Module | None, mode: str, device: torch.device,
         raise ValueError(f"wrap_model: mode must be 'ddp' or 'fsdp', got {mode!r}")
     if not any(p.requires_grad for p in model.parameters()):
         return model
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
 
-    # broadcast_buffers=False: the buffers (rotary tables) are equal everywhere, and a forward
-    # pass then needs no collective.
+    # no buffer broadcast before each forward: the buffers (rotary tables) are equal everywhere, and a
+    # forward pass then needs no collective (torch 2.13 calls it forward_sync_buffers and warns on the older name)
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+                                   **{"forward_sync_buffers" if newer else "broadcast_buffers": False})
 
 
 @functools.lru_cache(maxsize=2)

@@ -766,22 +766,34 @@ def test_choose_parallel_picks_fsdp_from_the_threshold_of_trained_parameters_up(
 
 
 class RecordedDDP(nn.Module):
-    """Stands in for DistributedDataParallel: keeps what it was built with."""
+    """Stands in for DistributedDataParallel (a torch before 2.13): keeps what it was built with."""
 
     def __init__(self, module, device_ids=None, broadcast_buffers=True):
         super().__init__()
         self.module, self.device_ids, self.broadcast_buffers = module, device_ids, broadcast_buffers
 
 
+class RecordedNewerDDP(RecordedDDP):
+    """The same for torch 2.13, whose DDP warns on broadcast_buffers and takes forward_sync_buffers."""
+
+    def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+        if broadcast_buffers is not None:
+            warnings.warn("`broadcast_buffers` is deprecated", FutureWarning)
+        super().__init__(module, device_ids, forward_sync_buffers)
+
+
 def test_ddp_wraps_a_partly_frozen_model_and_leaves_a_frozen_one(monkeypatch):
     """A LoRA policy (frozen base, trainable adapters) must be wrapped, or its gradients are never
     averaged over ranks; the reference (nothing trainable) stays a plain module."""
     monkeypatch.setattr(dist, "world", lambda: 2)
-    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", RecordedDDP)
     lora_like = nn.Sequential(nn.Linear(3, 3).requires_grad_(False), nn.Linear(3, 3))
-    wrapped = dist.wrap_model(lora_like, "ddp", torch.device("cpu"))
-    assert isinstance(wrapped, RecordedDDP) and wrapped.module is lora_like and wrapped.device_ids is None
-    assert not wrapped.broadcast_buffers
+    for ddp in (RecordedDDP, RecordedNewerDDP):  # no buffer broadcast a forward, by the name each torch takes
+        monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", ddp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch 2.13's deprecation warning on every torchrun run
+            wrapped = dist.wrap_model(lora_like, "ddp", torch.device("cpu"))
+        assert isinstance(wrapped, ddp) and wrapped.module is lora_like and wrapped.device_ids is None
+        assert wrapped.broadcast_buffers is False
     frozen = nn.Linear(3, 3).requires_grad_(False)
     assert dist.wrap_model(frozen, "ddp", torch.device("cpu")) is frozen
     with pytest.raises(ValueError, match="mode must be 'ddp' or 'fsdp'"):
