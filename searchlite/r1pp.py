@@ -386,11 +386,16 @@ def stage1(cfg) -> Path:
     one stage 1 at a time in out_dir (two would mix their sampling logs and models)."""
     from .models import lock_run
 
+    began = []  # holds True once this stage 1 changes a file in out_dir (an interrupt says so, or not)
     with lock_run(Path(cfg.out_dir)):  # (another run's: a ConfigError, which main reports)
-        return _stage1(cfg)
+        try:
+            return _stage1(cfg, began)
+        except KeyboardInterrupt as e:
+            e.searchlite_changed_nothing, e.searchlite_out_dir = not began, cfg.out_dir
+            raise
 
 
-def _stage1(cfg) -> Path:
+def _stage1(cfg, began: list) -> Path:
     from .config import ConfigError, format_config, resolve_path, save_config
     from .data import read_qa
     from .models import GracefulStop, load_policy, pick_device, reuse_freed_memory, run_tokenizer, set_aside
@@ -434,6 +439,7 @@ def _stage1(cfg) -> Path:
         sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     # only now that everything has loaded: a stage 1 that stops before this changes no file
+    began.append(True)
     if not cfg.resume and (moved := set_aside(out, STAGE1_OUTPUTS)):  # a forgotten --resume loses nothing
         print(f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), "
               f"and the earlier one is kept: {', '.join(moved)}", flush=True)
@@ -518,8 +524,11 @@ def main(argv=None) -> None:
     except KeyboardInterrupt as e:  # Ctrl-C while sampling, or a second signal during the SFT
         from .models import interrupted_status
 
-        sys.stderr.write("\ninterrupted: rejection_sampling.jsonl keeps each finished sampling batch and "
-                         "sft_state.pt the SFT's last save; rerun with --resume to continue\n")
+        if getattr(e, "searchlite_changed_nothing", False):  # while it loaded: the same command starts it again
+            sys.stderr.write(f"\ninterrupted before stage 1 changed any file in {e.searchlite_out_dir}\n")
+        else:
+            sys.stderr.write("\ninterrupted: rejection_sampling.jsonl keeps each finished sampling batch and "
+                             "sft_state.pt the SFT's last save; rerun with --resume to continue\n")
         sys.exit(interrupted_status(e))
 
 

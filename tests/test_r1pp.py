@@ -621,6 +621,27 @@ def test_stage1_stopped_while_sampling_says_what_is_kept(tiny_model, tmp_path, m
     assert ctrl_c.calls == 3 and (tmp_path / "model" / "model.safetensors").exists()  # the first batch not again
 
 
+def test_stage1_stopped_while_loading_says_it_changed_nothing(tiny_model, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the model loads, in a folder holding a finished stage 1, said that
+    rejection_sampling.jsonl and sft_state.pt kept this run's work and to --resume, which then found the
+    earlier stage 1 finished (or refused its settings); this run had changed no file."""
+    from conftest import CtrlC
+
+    from searchlite import models
+
+    flags = ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--sft_questions", "4", "--group", "2",
+             "--batch_size", "2", "--sft_batch_size", "4", "--sft_rewrites", "0", "--out_dir", str(tmp_path)]
+    r1pp.main(flags)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "run.lock"}
+    capsys.readouterr()
+    CtrlC(monkeypatch, models, "load_policy", at=1)
+    with pytest.raises(SystemExit) as stopped:
+        r1pp.main([*flags, "--sft_epochs", "2"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.endswith(f"\ninterrupted before stage 1 changed any file in {tmp_path}\n")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "run.lock"} == before
+
+
 def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--sft_rewrites needs --cold_start_sampler teacher"):
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path),
