@@ -310,6 +310,8 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
             n[k] += batch["counts"][k]
         for row in batch["rows"]:
             keep(row | {"docs": [Hit(**h) for h in row["docs"]]})
+    if start:
+        print(f"--resume: {log} holds the samples of questions 1 to {start} of {len(qa)}", flush=True)
     for s in tqdm(range(start, len(qa), size), desc="rejection sampling", initial=start // size,
                   total=-(-len(qa) // size)):
         questions = [q for q in qa[s:s + size] for _ in range(samples)]
@@ -444,6 +446,13 @@ def _stage1(cfg, began: list) -> Path:
         print(f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), "
               f"and the earlier one is kept: {', '.join(moved)}", flush=True)
     (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
+    if cfg.resume and (out / "config.json").exists():  # what --resume continues with (the sampling log and the
+        done = json.loads((out / "config.json").read_text(encoding="utf-8"))  # SFT state refuse what they cannot)
+        changes = [f"{k}: {done[k]!r} -> {getattr(cfg, k)!r}" for k in STAGE1_FIELDS
+                   if k not in ("out_dir", "resume") and k in done and done[k] != getattr(cfg, k)]
+        if changes:
+            print(f"note: --resume continues with settings of its own: {'; '.join(changes)} (config.json now holds "
+                  "them, and a later --resume is checked against them)", flush=True)
     save_config(cfg, out / "config.json")
     t_sample = time.time()
     log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},

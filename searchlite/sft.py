@@ -89,6 +89,8 @@ def sft(model, input_ids, loss_mask, *, attention_mask=None, epochs: int = 1, lr
     if state_path is not None and Path(state_path).exists():
         losses = load_state(state_path, model, opt, sched, settings, flags)
     done = len(losses)  # steps taken before a resume
+    if done:
+        print(f"--resume: {state_path} holds {done} of the {steps} SFT steps", flush=True)
     model.train()
     bar = tqdm(total=steps, initial=done, desc="sft", disable=not progress)
     for epoch in range(epochs):

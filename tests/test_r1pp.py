@@ -592,7 +592,9 @@ def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_pat
     with pytest.raises(SystemExit, match=r"sft_state.pt: saved by a run with --sft_batch_size = 4, this one has 2; "
                                          r"resume with its settings"):
         r1pp.main([*flags, "--out_dir", str(part), "--resume", "--sft_batch_size", "2"])
+    capsys.readouterr()
     r1pp.main([*flags, "--out_dir", str(part), "--resume"])
+    assert re.search(r"--resume: .*sft_state.pt holds 2 of the \d+ SFT steps", capsys.readouterr().out)
     assert ctrl_c.calls == json.loads((part / "stage1.json").read_text())["sft_steps"]  # no step taken twice
     a, b = (load_file(run / "model" / "model.safetensors") for run in (tmp_path / "whole", part))
     assert all(torch.equal(a[k], b[k]) for k in a) and not (part / "sft_state.pt").exists()
@@ -617,8 +619,11 @@ def test_stage1_stopped_while_sampling_says_what_is_kept(tiny_model, tmp_path, m
         r1pp.main(flags)
     assert stopped.value.code == 130
     assert "interrupted: rejection_sampling.jsonl keeps each finished sampling batch" in capsys.readouterr().err
-    r1pp.main([*flags, "--resume"])
+    r1pp.main([*flags, "--resume", "--micro_batch_size", "2"])  # (a memory setting: the samples stay those kept)
     assert ctrl_c.calls == 3 and (tmp_path / "model" / "model.safetensors").exists()  # the first batch not again
+    out = capsys.readouterr().out  # what it continues, and with which changes, as train.py's resume says
+    assert "note: --resume continues with settings of its own: micro_batch_size: 16 -> 2 (config.json now" in out
+    assert f"--resume: {tmp_path / 'rejection_sampling.jsonl'} holds the samples of questions 1 to 2 of 4\n" in out
 
 
 def test_stage1_stopped_while_loading_says_it_changed_nothing(tiny_model, tmp_path, monkeypatch, capsys):
