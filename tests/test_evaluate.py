@@ -27,7 +27,7 @@ from test_vllm_sampler import FakeLLM
 
 import evaluate
 from searchlite.config import NEEDS_URL, TOY_DIR
-from searchlite.data import QA, DataError, read_corpus, write_durably
+from searchlite.data import QA, DataError, read_corpus, write_durably, write_jsonl
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, make_record,
                                    question_type, run_batch, score_qa, summarize, table)
 from searchlite.indexing import build_bm25_folder
@@ -1489,6 +1489,20 @@ def test_a_dataset_name_prefers_the_test_split(tmp_path):
     for split in ("dev", "test"):
         (tmp_path / "hotpotqa" / f"{split}.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n')
     assert evaluate.resolve_data("hotpotqa", str(tmp_path)) == ("hotpotqa", tmp_path / "hotpotqa" / "test.jsonl")
+
+
+def test_a_dataset_name_finds_its_file_gzipped(tmp_path):
+    """<name>.jsonl.gz and <name>/<split>.jsonl.gz are found, each after its plain form ("has no local
+    file" listed only the plain names, though a gzipped file given by its path is read)."""
+    write_jsonl(tmp_path / "nq.jsonl.gz", [{"question": "q", "golden_answers": ["x"]}])
+    assert evaluate.resolve_data("nq", str(tmp_path)) == ("nq", tmp_path / "nq.jsonl.gz")
+    (tmp_path / "nq.jsonl").write_text('{"question": "q", "golden_answers": ["x"]}\n')
+    assert evaluate.resolve_data("nq", str(tmp_path)) == ("nq", tmp_path / "nq.jsonl")
+    write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl.gz", [{"question": "q", "golden_answers": ["x"]}])
+    assert evaluate.resolve_data("hotpotqa", str(tmp_path)) == ("hotpotqa", tmp_path / "hotpotqa" / "dev.jsonl.gz")
+    with pytest.raises(evaluate.EvalError) as e:
+        evaluate.resolve_data("popqa", str(tmp_path))
+    assert "  " + str(tmp_path / "popqa" / "dev.jsonl.gz") + "\n" in str(e.value)
 
 
 def test_a_missing_gz_file_and_a_missing_dataset_name_their_flag(tmp_path):
