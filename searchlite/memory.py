@@ -86,10 +86,16 @@ def check_levers(cfg) -> None:
 
 
 def ties_embeddings(model: str) -> bool:
-    """Whether the model folder `model` ties its input embeddings to its LM head (its config, with the
-    architecture's default); False for what is not a local folder (a hub name: the load says more)."""
-    folder = Path(resolve_path(model))
-    if not (folder / "config.json").is_file():
+    """Whether the model --model names (a folder, or the one in a run's or stage 1's folder) ties its
+    input embeddings to its LM head (its config, with the architecture's default); False for what is
+    not a local folder (a hub name, a GGUF file: the load says more)."""
+    from .model_spec import ModelError, resolve_model
+
+    try:
+        kind, folder = resolve_model(model)
+    except ModelError:
+        return False
+    if kind != "hf" or not (Path(folder) / "config.json").is_file():
         return False
     from transformers import AutoConfig
 

@@ -435,6 +435,11 @@ def test_lora_on_tied_embeddings_with_vllm_is_refused_before_any_model_loads(byt
                 f"--lora_targets {targets} with --sampler vllm: {tmp_path / 'tieTrue'} ties its embeddings and LM "
                 f"head, which vLLM holds as one matrix, and a LoRA on {named} makes them two")):
             check_levers(Config(**tied, lora_targets=targets))
+    (tmp_path / "stage1" / "model").parent.mkdir()
+    (tmp_path / "tieTrue").rename(tmp_path / "stage1" / "model")  # a stage 1's out_dir names the model in it
+    with pytest.raises(ConfigError, match="ties its embeddings"):
+        check_levers(Config(**{**tied, "model": str(tmp_path / "stage1")}, lora_targets="lm_head"))
+    tied["model"] = str(tmp_path / "stage1" / "model")
     for ok in ({"lora_targets": "all-linear"}, {"lora_targets": "q_proj,v_proj"}, {"sampler": "hf"},
                {"model": str(tmp_path / "tieFalse")}, {"model": "Org/some-model"}, {"lora_rank": 0}):
         check_levers(Config(**{**tied, "lora_targets": "embed_tokens", **ok}))
