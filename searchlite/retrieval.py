@@ -21,6 +21,7 @@ across calls.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import numbers
@@ -301,6 +302,11 @@ class TextEncoder:
             max_length = positions
         self.max_length = max_length
 
+    @functools.cached_property
+    def dim(self) -> int:
+        """The size of its vectors, from one short forward pass (once)."""
+        return self.encode(["dimension probe"]).shape[1]
+
     def encode(self, texts: list[str], prefix: str = "", bar=None):
         """Normalised embeddings, float32 numpy (len(texts), dim), in batches sorted by length
         (less padding); `bar`, a tqdm bar, advances per batch."""
@@ -351,6 +357,7 @@ class DenseRetriever(Retriever):
         dq, dp = default_prefixes(self.text_encoder.name)
         self.query_prefix = dq if query_prefix is None else query_prefix
         self.passage_prefix = dp if passage_prefix is None else passage_prefix
+        given_index = index is not None  # (one built here from the passages fits the encoder)
         if index is None:
             index = self._encode_flat()
         elif isinstance(index, (str, os.PathLike)):
@@ -362,6 +369,10 @@ class DenseRetriever(Retriever):
                               "e5_Flat.index: 'query: '): give it with --query_prefix 'query: ', or the encoder "
                               "under a name with e5 in it", stacklevel=2)
             index = faiss.read_index(str(index), faiss.IO_FLAG_MMAP_IFC if mmap else 0)
+        if given_index and self.text_encoder.dim != index.d:  # (it failed at the first search)
+            raise ValueError(f"encoder {self.text_encoder.name} gives {self.text_encoder.dim}-dim vectors but the "
+                             f"index holds {index.d}-dim ones: its passages were encoded by another encoder, which "
+                             "the queries need (an index folder names it: leave --encoder out)")
         if index.ntotal != len(self.passages):
             raise ValueError(f"index holds {index.ntotal} vectors but the corpus has {len(self.passages)} passages: a "
                              "FAISS file goes with the corpus it was built over (--corpus; the default is the toy "

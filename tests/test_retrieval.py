@@ -613,6 +613,22 @@ def test_another_encoder_than_the_index_folders_is_warned_of(dense, encoder_dir,
         build_retriever("dense", CORPUS, encoder=str(tmp_path / "other"), index=str(tmp_path / "idx"))
 
 
+def test_an_encoder_of_another_vector_size_is_refused_as_the_index_loads(dense, tmp_path):
+    """An --encoder whose vectors are not the index's size passed every check at start and failed at the
+    first search (train.py: a traceback after its files were written; serve: a 500 for every request)."""
+    dense.save(tmp_path / "idx")
+    save_bag_of_words_bert([p.title + " " + p.text for p in CORPUS], tmp_path / "enc64", hidden=64)
+    with pytest.raises(ValueError, match="^" + re.escape(f"encoder {tmp_path / 'enc64'} gives 64-dim vectors but the "
+                                                         "index holds 128-dim ones: its passages were encoded by "
+                                                         "another encoder")):
+        build_retriever("dense", CORPUS, encoder=str(tmp_path / "enc64"), index=str(tmp_path / "idx"))
+    import faiss
+
+    faiss.write_index(dense.index, str(tmp_path / "e5_Flat.index"))  # a FAISS file alone, as Search-R1's
+    with pytest.raises(ValueError, match="gives 64-dim vectors but the index holds 128-dim ones"):
+        DenseRetriever(CORPUS, str(tmp_path / "enc64"), index=str(tmp_path / "e5_Flat.index"), query_prefix="")
+
+
 def test_dense_flags_on_a_bm25_folder_are_refused(tmp_path):
     """retrieve.py query --encoder / --pooling / --query_prefix on a BM25 folder were dropped without a word."""
     import retrieve
