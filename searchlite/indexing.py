@@ -73,7 +73,7 @@ def faiss_factory(kind: str, dim: int, n: int) -> str:
         return "HNSW32,Flat"
     if kind == "ivfpq":
         if n < 10_000:
-            raise ValueError(f"faiss 'ivfpq' needs at least 10,000 passages to train, the corpus has {n}; "
+            raise ValueError(f"--faiss 'ivfpq' needs at least 10,000 passages to train, the corpus has {n}; "
                              "use 'flat' or 'hnsw'")
         # faiss wants >= 39 training points per list, and the lists are trained on the sample, not on
         # all n vectors, so nlist follows the sample: wiki-18 gets 2,564 lists, not 4·sqrt(n) = 18,330,
@@ -161,7 +161,7 @@ def build_dense_folder(corpus_path, folder, encoder: str, *, pooling: str = "mea
     dq, dp = default_prefixes(encoder)
     query_prefix = dq if query_prefix is None else query_prefix
     passage_prefix = dp if passage_prefix is None else passage_prefix
-    dim = enc.encode(["dimension probe"]).shape[1]
+    dim = enc.dim
     factory, search_params = checked_faiss(faiss_index, search_params, dim, len(corpus))  # before hours of encoding
     _check_manifest(folder, dict(encoder=enc.name, pooling=pooling, passage_prefix=passage_prefix,
                                  max_length=enc.max_length, shard_size=shard_size, corpus=os.path.abspath(corpus.path),
@@ -196,6 +196,15 @@ def checked_faiss(kind: str, search_params: str | None, dim: int, n: int) -> tup
     except RuntimeError as e:
         raise ValueError(f"--faiss {kind!r}: faiss cannot make this index ({faiss_reason(e)}); "
                          f"use one of {', '.join(FAISS_KINDS)} or a faiss.index_factory string") from None
+    if not index.is_trained:  # k-means wants a training vector a centroid: faiss says so only after the encoding
+        m = -(-n // _train_step(n))  # the vectors _training_sample takes
+        ivf = faiss.try_extract_index_ivf(index)
+        pq = getattr(faiss.downcast_index(ivf if ivf is not None else index), "pq", None)
+        need = max(ivf.nlist if ivf is not None else 0, pq.ksub if pq is not None else 0)
+        if m < need:
+            raise ValueError(f"--faiss {kind!r}: the {factory} index trains {need:,} centroids on {m:,} vectors (the "
+                             "passages, or a sample of them), and faiss needs at least one a centroid: use fewer IVF "
+                             f"lists or PQ bits, or one of {', '.join(FAISS_KINDS)}")
     params = default_search_params(factory) if search_params is None else search_params
     for item in filter(None, params.split(",")):
         name, _, value = item.partition("=")

@@ -547,7 +547,7 @@ def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
     agree = [a[0].id == b[0].id for a, b in zip(load_index(tmp_path / "hnsw").search(QUERIES, 1), exact.search(QUERIES, 1))]
     assert sum(agree) >= len(QUERIES) - 1 and len(r.passages) == 450
     assert faiss_factory("ivfpq", 384, 14_171) == "IVF363,PQ48" and faiss_factory("IVF64,Flat", 8, 10) == "IVF64,Flat"
-    with pytest.raises(ValueError, match="at least 10,000 passages"):
+    with pytest.raises(ValueError, match="^--faiss 'ivfpq' needs at least 10,000 passages"):
         faiss_factory("ivfpq", 384, 450)
 
 
@@ -590,6 +590,17 @@ def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp
                                progress=False)
         assert texts == [1], (kind, params)  # the dimension probe alone: no passage was encoded
         assert not (tmp_path / kind / "shards").exists()  # nor a manifest of a build that never began
+    # k-means needs a training vector a centroid (IVF lists, 2**bits PQ codes): faiss said so after the encoding
+    for kind, need in (("IVF1000,Flat", "1,000"), ("IVF16,PQ8x12", "4,096")):
+        texts.clear()
+        with pytest.raises(ValueError, match="^" + re.escape(f"--faiss {kind!r}: the {kind} index trains {need} "
+                                                             "centroids on 450 vectors")):
+            build_dense_folder(TOY, tmp_path / "k", encoder, faiss_index=kind, max_length=48, progress=False)
+        assert texts == [1]
+    assert checked_faiss("IVF16,PQ8x12", None, 32, 4096) == ("IVF16,PQ8x12", "nprobe=64")  # one vector a code: enough
+    assert checked_faiss("IVF450,Flat", None, 32, 450) == ("IVF450,Flat", "nprobe=64")
+    with pytest.raises(ValueError, match=r"on 100,000 vectors \(the passages, or a sample of them\)"):
+        checked_faiss("IVF262144,Flat", None, 32, 21_000_000)  # wiki-18's sample: refused before 21M encodings
     assert checked_faiss("hnsw", "efSearch=16", 32, 450) == ("HNSW32,Flat", "efSearch=16")
     assert checked_faiss("IVF8,Flat", None, 32, 450) == ("IVF8,Flat", "nprobe=64")
 
