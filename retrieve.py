@@ -54,13 +54,15 @@ def is_jsonl(path) -> bool:
     return head[:2] == b"\x1f\x8b" or head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"{"
 
 
-def check_device(device) -> None:
-    """Refuse a --device this machine lacks (ValueError), before a corpus scan or an encoder load; called
-    once the flags a device would be ignored with are refused, so that those are named first."""
-    if device not in (None, "cpu"):
-        from searchlite.models import pick_device
+def dense_device(device) -> str:
+    """The torch device of a dense index's encoder for --device (unset: cpu; auto: the GPU when there is one),
+    refused (ValueError) where this machine lacks it, before a corpus scan or an encoder load; asked for once
+    the flags a device would be ignored with are refused, so that those are named first."""
+    if device in (None, "cpu"):
+        return "cpu"
+    from searchlite.models import pick_device
 
-        pick_device(device)
+    return str(pick_device(device))
 
 
 def make(args):
@@ -78,7 +80,7 @@ def make(args):
         return build_retriever("http", url=args.url)
     corpus = resolve_path(args.corpus) if args.corpus else None
     kind = None if args.kind == "auto" else args.kind
-    dense_kw = dict(device=args.device or "cpu", mmap=args.mmap)  # (check_device: once a dense index will take it)
+    dense_kw = dict(mmap=args.mmap)  # (and its device, once a dense index will take it)
     if args.query_prefix is not None:
         dense_kw["query_prefix"] = args.query_prefix
     if args.index and os.path.isdir(args.index):
@@ -87,7 +89,7 @@ def make(args):
             raise ValueError(f"{' and '.join(dense_only)}: --index {args.index} holds a {index_kind(args.index)} "
                              "index, which encodes no queries; these flags are for a dense one")
         if kw:
-            check_device(args.device)
+            kw["device"] = dense_device(args.device)
         if kw and args.encoder:
             kw["encoder"] = args.encoder
         if kw and args.pooling is not None:  # not given: the folder's pooling
@@ -114,7 +116,7 @@ def make(args):
         raise ValueError("--kind dense needs --encoder (the sentence encoder) or --index (a folder that "
                          "retrieve.py build wrote)")
     if kind == "dense":
-        check_device(args.device)
+        dense_kw["device"] = dense_device(args.device)
     return build_retriever(kind, corpus or resolve_path("toy/corpus.jsonl"), encoder=args.encoder,
                            pooling=args.pooling or "mean", index=args.index, **(dense_kw if kind == "dense" else {}))
 
@@ -155,15 +157,15 @@ def build(args) -> None:
     corpus, t0 = resolve_path(args.corpus), time.time()
     kind = build_kind(args)
     check_build(args, kind)
-    check_device(args.device)
+    device = dense_device(args.device) if kind == "dense" else None
     busy = ValueError(f"another retrieve.py build is writing to {args.out}; wait for it to finish, or choose "
                       "another --out")
     with held_folder(args.out, BUILD_LOCK, busy, scratch=("corpus_offsets.npz",)):  # a failed fresh build: no folder
-        r = build_folder(kind, corpus, args)
+        r = build_folder(kind, corpus, args, device)
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
-def build_folder(kind: str, corpus: str, args):
+def build_folder(kind: str, corpus: str, args, device: str | None = None):
     from searchlite.indexing import build_bm25_folder, build_dense_folder
 
     if kind == "dense":
@@ -171,7 +173,7 @@ def build_folder(kind: str, corpus: str, args):
                                   query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
                                   faiss_index=args.faiss or "flat", search_params=args.search_params,
                                   shard_size=args.shard_size, batch_size=args.batch_size, max_length=args.max_length,
-                                  device=args.device or "cpu", keep_shards=args.keep_shards)
+                                  device=device or "cpu", keep_shards=args.keep_shards)
     given = {k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None}  # else bm25s's 1.5 and 0.75
     return build_bm25_folder(corpus, args.out, **given)
 

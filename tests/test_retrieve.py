@@ -22,7 +22,7 @@ import searchlite.server
 from searchlite import retrieval
 from searchlite.config import TOY_DIR
 from searchlite.data import lock_folder, passage_to_dict, read_corpus, write_jsonl
-from searchlite.indexing import BUILD_LOCK
+from searchlite.indexing import BUILD_LOCK, build_dense_folder
 from searchlite.retrieval import BM25Retriever, DenseRetriever, TextEncoder, load_index
 
 
@@ -71,9 +71,10 @@ def test_bm25_build_takes_the_bounds_of_k1_and_b(tmp_path, corpus_file, capsys):
         index = load_index(out).index
         assert (index.k1, index.b) == (float(k1), float(b))
     for flags, got in ((["--k1", "-1"], "--k1 -1.0"), (["--b", "1.5"], "--b 1.5"), (["--k1", "nan"], "--k1 nan"),
-                       (["--k1", "-0.5", "--b", "-0.1"], "--k1 -0.5 and --b -0.1"), (["--k1", "1", "--b", "nan"], "--b nan")):
-        with pytest.raises(SystemExit, match="^" + re.escape(f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1; got {got}")
-                                             + "$"):
+                       (["--k1", "-0.5", "--b", "-0.1"], "--k1 -0.5 and --b -0.1"),
+                       (["--k1", "1", "--b", "nan"], "--b nan")):
+        refusal = f"error: BM25 needs --k1 >= 0 and 0 <= --b <= 1; got {got}"
+        with pytest.raises(SystemExit, match="^" + re.escape(refusal) + "$"):
             retrieve.main(["build", "--corpus", str(corpus_file), *flags, "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
 
@@ -162,6 +163,25 @@ def test_query_passes_mmap_and_device_to_a_dense_folder(tmp_path, corpus_file, e
     assert "] Violin (id v1)" in capsys.readouterr().out
 
 
+def test_device_auto_reaches_a_dense_index_as_the_device_it_picks(tmp_path, corpus_file, encoder_dir, monkeypatch):
+    """--device auto, which the no-GPU refusal suggests, went to torch as "auto" ("Expected one of cpu, cuda,
+    ..."): a build, a query over a folder and one over a corpus now get the device it picks (cpu here)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    seen, real_build, real_load = [], build_dense_folder, retrieval.load_index
+    monkeypatch.setattr("searchlite.indexing.build_dense_folder",
+                        lambda *a, **kw: seen.append(("build", kw["device"])) or real_build(*a, **kw))
+    monkeypatch.setattr(retrieval, "load_index",
+                        lambda *a, **kw: seen.append(("load", kw["device"])) or real_load(*a, **kw))
+    enc = str(encoder_dir / "tiny-bert")
+    retrieve.main(["build", "--corpus", str(corpus_file), "--encoder", enc, "--out", str(tmp_path / "d"), "--device",
+                   "auto", "--max_length", "48"])
+    retrieve.main(["query", "--index", str(tmp_path / "d"), "--device", "auto", "violin"])
+    made, real_dense = [], retrieval.DenseRetriever
+    monkeypatch.setattr(retrieval, "DenseRetriever", lambda *a, **kw: made.append(kw["device"]) or real_dense(*a, **kw))
+    retrieve.main(["query", "--corpus", str(corpus_file), "--encoder", enc, "--device", "auto", "violin"])
+    assert seen == [("build", "cpu"), ("load", "cpu")] and made == ["cpu"]
+
+
 def test_query_takes_an_empty_query_prefix_over_the_folders(tmp_path, corpus_file, encoder_dir, capsys):
     """--query_prefix '' on a folder built with an E5 encoder (its query prefix 'query: ') encodes the
     queries with no prefix: the scores printed are those of prefix-less queries."""
@@ -237,8 +257,9 @@ def test_a_faiss_file_names_the_flags_it_needs(tmp_path, corpus_file):
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: --index {faiss_file} is a FAISS file: give --corpus, "
                                                          "the corpus it was built over") + "$"):
         retrieve.main(["query", "--index", str(faiss_file), "q"])
-    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --index {faiss_file} is a FAISS file: give --encoder, "
-                                                         "the sentence encoder that made its passage vectors") + "$"):
+    refusal = (f"error: --index {faiss_file} is a FAISS file: give --encoder, the sentence encoder that made its "
+               "passage vectors")
+    with pytest.raises(SystemExit, match="^" + re.escape(refusal) + "$"):
         retrieve.main(["query", "--index", str(faiss_file), "--corpus", str(corpus_file), "q"])
 
 
@@ -251,9 +272,9 @@ def test_a_corpus_given_as_index_is_named_as_a_corpus(tmp_path, corpus_file):
     write_jsonl(gz, map(passage_to_dict, CORPUS))
     for path in (corpus_file, bom, gz):
         for extra in ([], ["--corpus", str(corpus_file)]):
-            with pytest.raises(SystemExit, match="^" + re.escape(
-                    f"error: --index {path} is a JSONL file, not an index: a corpus goes to --corpus (BM25 then indexes "
-                    f"it in memory), or `retrieve.py build --corpus {path}` writes an index folder") + "$"):
+            refusal = (f"error: --index {path} is a JSONL file, not an index: a corpus goes to --corpus (BM25 then "
+                       f"indexes it in memory), or `retrieve.py build --corpus {path}` writes an index folder")
+            with pytest.raises(SystemExit, match="^" + re.escape(refusal) + "$"):
                 retrieve.main(["query", "--index", str(path), *extra, "q"])
 
 
@@ -269,7 +290,8 @@ def test_flags_a_bm25_index_ignores_are_named_before_the_device_is_checked(bm25_
     for argv, refusal in ((["query", "--index", str(bm25_folder)], "holds a bm25 index, which encodes no queries"),
                           (["query", "--corpus", str(corpus_file)], "for a dense retriever, which encodes queries"),
                           (["serve", "--index", str(bm25_folder), "--port", str(free_port())], "holds a bm25 index"),
-                          (["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "b")], "not for a bm25 build")):
+                          (["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "b")],
+                           "not for a bm25 build")):
         with pytest.raises(SystemExit, match="^error: --device: .*" + re.escape(refusal)):
             retrieve.main([*argv, "--device", "cuda", *(["x"] if argv[0] == "query" else [])])
     assert not (tmp_path / "b").exists()
