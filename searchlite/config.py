@@ -561,7 +561,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"--template {cfg.template!r}: {e}") from None
     # R1-Searcher++'s rewrite prompt: the memorization loss samples rewrites with it, and stage 1's
     # teacher writes demonstrations of it; a protocol without one is refused before any sampling
-    for name, what in (("mem_coef", "the memorization loss needs"), ("sft_rewrites", "the rewrite demonstrations need")):
+    for name, what in (("mem_coef", "the memorization loss needs"),
+                       ("sft_rewrites", "the rewrite demonstrations need")):
         if used(name) and getattr(cfg, name) > 0:
             try:
                 rewrite_template(get_protocol(cfg.protocol, cfg.template), cfg.template)

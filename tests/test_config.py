@@ -582,7 +582,7 @@ def test_plain_warnings_prints_a_warning_of_searchlite_or_the_script_on_one_line
     script = tmp_path / "tool.py"
     plain_warnings(str(script))
     for where in (searchlite.config.__file__, str(Path(searchlite.config.__file__).parent / "retrieval.py"), script):
-        assert warnings.formatwarning("corpus changed", UserWarning, str(where), 7, "x = 1") == "warning: corpus changed\n"
+        assert warnings.formatwarning("changed", UserWarning, str(where), 7, "x = 1") == "warning: changed\n"
     assert warnings.formatwarning("old", FutureWarning, "/elsewhere/pkg/mod.py", 3, "y = 2") == \
         "/elsewhere/pkg/mod.py:3: FutureWarning: old\n  y = 2\n"
 
@@ -598,7 +598,8 @@ def test_a_typed_flag_that_the_other_settings_leave_unread_is_noted(capsys):
                                              "trains every weight (no --lora_rank)"),
              (["--dtype", "bfloat16", "--lora_rank", "4", "--master_weights", "true"], "note: --master_weights True"),
              (["--eta", "3"], "note: --eta 3.0 does nothing without the group reward (--reward r1pp)"),
-             (["--reward", "r1pp", "--group_reward", "false", "--group_sigma", "correct"], "note: --group_sigma correct"),
+             (["--reward", "r1pp", "--group_reward", "false", "--group_sigma", "correct"],
+              "note: --group_sigma correct"),
              (["--group_reward", "true"], "note: --group_reward True does nothing without --reward r1pp")]
     for flags, note in cases:
         parse_args(flags)

@@ -565,7 +565,8 @@ def test_an_earlier_run_without_a_checkpoint_is_set_aside_too(tiny_model, tmp_pa
             "sets the earlier run aside after its step-0 evaluation") in printed
     assert ("note: the earlier run is kept: config.json -> config.previous.json, metrics.jsonl -> "
             "metrics.previous.jsonl, eval -> eval.previous") in printed
-    assert (out / "metrics.previous.jsonl").read_text() == first and (out / "eval.previous" / "step_000000.jsonl").exists()
+    assert (out / "metrics.previous.jsonl").read_text() == first
+    assert (out / "eval.previous" / "step_000000.jsonl").exists()
     assert [r["step"] for r in metrics(out)] == [0]
 
 
@@ -1297,7 +1298,7 @@ def test_resume_refuses_every_setting_the_checkpoint_keeps(tmp_path, monkeypatch
             "--lora_targets", "q_proj,v_proj"]
     saved = to_dict(parse_args(base))
     (tmp_path / "run" / "checkpoint" / "policy").mkdir(parents=True)
-    (tmp_path / "run" / "checkpoint" / "policy" / "adapter_model.safetensors").touch()  # its weights, as far as it looks
+    (tmp_path / "run" / "checkpoint" / "policy" / "adapter_model.safetensors").touch()  # weights, as far as it looks
     monkeypatch.setattr(train, "find_checkpoint", lambda out: tmp_path / "run" / "checkpoint")
     monkeypatch.setattr(train, "load_trainer_state", lambda ckpt, mmap=False: {"config": saved})
     assert train.check_resume(parse_args(base + ["--lora_targets", "v_proj, q_proj"])) == []
