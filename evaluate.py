@@ -56,7 +56,7 @@ from pathlib import Path
 
 from searchlite.config import (NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
                                not_a_folder, plain_warnings, resolve_path)
-from searchlite.data import DataError, held_folder, read_qa, write_durably
+from searchlite.data import DataError, held_folder, os_error_text, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
 from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
@@ -127,6 +127,8 @@ def make_retriever(args):
             raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url, query_prefix=args.query_prefix or None,
                                encoder=args.encoder or None, pooling=args.pooling or "mean", index=args.index or None)
+    if args.retriever == "dense" and not args.encoder and not args.index:  # (build_retriever names its keywords)
+        raise EvalError("--retriever dense needs --encoder (the sentence encoder) or --index (a dense index folder)")
     corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "
@@ -470,8 +472,11 @@ def evaluate(args, held: ExitStack) -> dict:
         if args.judge_url:
             from searchlite.judge import Judge, JudgeError
 
-            judge = Judge(args.judge_url, args.judge_model, args.judge_prompt or None, key_env=args.judge_key_env,
-                          max_tokens=args.judge_max_tokens)
+            try:
+                judge = Judge(args.judge_url, args.judge_model, args.judge_prompt or None, key_env=args.judge_key_env,
+                              max_tokens=args.judge_max_tokens)
+            except OSError as e:  # the prompt file: missing, a folder, unreadable
+                raise EvalError(f"--judge_prompt {args.judge_prompt}: {os_error_text(e)}") from None
             try:
                 judge.check()
             except JudgeError as e:
@@ -494,8 +499,9 @@ def evaluate(args, held: ExitStack) -> dict:
         if why := not_a_folder("--out", out):
             raise EvalError(why)
         held.enter_context(lock_out(out))  # before anything in --out is read or written
-        check_settings(out, setup, args.overwrite, marks_nothing)
-        log = RecordLog(out / "records.jsonl")  # a damaged line is a DataError, named here before the model loads
+        if not args.overwrite:  # other settings are refused before the model loads
+            check_settings(out, setup, False, marks_nothing)
+            log = RecordLog(out / "records.jsonl")  # a damaged line is a DataError, named here before the model loads
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0, seed=args.seed)
         if args.sampler == "vllm":  # vLLM reads the weights itself: only the tokenizer is loaded here
             from searchlite.vllm_sampler import VLLMSampler
@@ -507,6 +513,9 @@ def evaluate(args, held: ExitStack) -> dict:
         else:
             model, tokenizer = load_model(args.model, args.tokenizer, args.dtype, device)
             sampler = HFSampler(model, tokenizer, **sampling)
+        if args.overwrite:  # the earlier records go only once the model has loaded: one that does not loses nothing
+            check_settings(out, setup, True, marks_nothing)
+            log = RecordLog(out / "records.jsonl")
     except (EvalError, DataError, ValueError, OSError) as e:  # (ModelError is a ValueError)
         sys.exit(f"error: {e}")
 
@@ -529,8 +538,9 @@ def evaluate(args, held: ExitStack) -> dict:
     except (KeyboardInterrupt, RuntimeError, DataError) as e:  # DataError: a corpus line first read by a search
         why = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}" if isinstance(e, DataError) else
                f"error: {type(e).__name__}: {e}")
-        print(f"{why}\n{len(log.done)} finished questions are saved in {log.path}; rerun the same command to "
-              "continue.", file=sys.stderr, flush=True)
+        saved = (f"{len(log.done)} finished questions are saved in {log.path}; rerun the same command to continue."
+                 if log.done else "no question was answered yet")  # (a folder this run made is removed again)
+        print(f"{why}\n{saved}", file=sys.stderr, flush=True)
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)  # 130 after Ctrl-C, as train.py: a script stops
     every = [r for per_method in records.values() for recs in per_method.values() for r in recs]
     if judge is not None:

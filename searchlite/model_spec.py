@@ -235,11 +235,18 @@ def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: s
     """(model, tokenizer) for --model / --tokenizer; every failure is a ModelError."""
     from .models import load_policy, load_tokenizer
 
+    from safetensors import SafetensorError
+
     folder = model_folder(spec)
     try:
         tok = load_tokenizer(tokenizer or folder)
-        model = load_policy(folder, dtype, device)
     except (OSError, ValueError, KeyError) as e:
+        flag = f"--tokenizer {tokenizer}" if tokenizer else f"--model {spec}"
+        raise ModelError(f"{flag}: could not load its tokenizer from {tokenizer or folder}: "
+                         f"{str(e).splitlines()[0]}") from None
+    try:
+        model = load_policy(folder, dtype, device)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a damaged weights file
         raise ModelError(f"--model {spec}: could not load {folder}: {str(e).splitlines()[0]}") from None
     return model, tok
 

@@ -522,6 +522,56 @@ def test_overwrite_clears_nothing_when_a_flag_is_bad(world, tmp_path):
     assert (out / "records.jsonl").read_text() == records
 
 
+def test_overwrite_clears_nothing_when_the_model_does_not_load(world, tmp_path, capsys):
+    """--overwrite deleted records.jsonl, results.json and table.md before the model loaded; a damaged weights
+    file then ended in safetensors' traceback. Now one line, and the earlier run's files are all there."""
+    import shutil
+
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "direct"))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix != ".lock"}
+    shutil.copytree(world / "model", tmp_path / "broken")
+    (tmp_path / "broken" / "model.safetensors").write_text("garbage")
+    args = cli(world, out, "--methods", "direct", "--overwrite")
+    args[args.index("--model") + 1] = str(tmp_path / "broken")
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --model {tmp_path / 'broken'}: could not load "
+                                                         f"{tmp_path / 'broken'}: ") + r"[^\n]+$"):
+        evaluate.main(args)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix != ".lock"} == before
+
+
+def test_a_tokenizer_that_does_not_load_is_named_by_its_flag(world, tmp_path):
+    """--tokenizer /nonexistent was reported as '--model M: could not load M: Repo id must ...'."""
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --tokenizer {tmp_path / 'none'}: could not load its "
+                                                         f"tokenizer from {tmp_path / 'none'}: ")):
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--tokenizer", str(tmp_path / "none")))
+
+
+def test_a_ctrl_c_before_the_first_answer_says_none_was_saved(world, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C as the first batch was answered said '0 finished questions are saved in OUT/records.jsonl;
+    rerun the same command to continue', of a folder it then removed."""
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HFSampler, "generate", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(one_set(world, tmp_path / "out"))
+    assert stopped.value.code == 130 and capsys.readouterr().err == "interrupted\nno question was answered yet\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_judge_prompt_and_a_dense_retriever_without_encoder_are_named_by_their_flags(world, tmp_path):
+    """A --judge_prompt that is missing or a folder was '[Errno 2] ...' alone, and --retriever dense with neither
+    --encoder nor --index named build_retriever's keywords (encoder=, index=)."""
+    for path, why in ((tmp_path / "none.txt", "No such file or directory"), (tmp_path, "Is a directory")):
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --judge_prompt {path}: ") + f".*{why}"):
+            evaluate.main(one_set(world, tmp_path / "out", "--judge_url", "http://127.0.0.1:9/v1", "--judge_prompt",
+                                  str(path)))
+    with pytest.raises(SystemExit, match="^" + re.escape("error: --retriever dense needs --encoder (the sentence "
+                                                         "encoder) or --index (a dense index folder)") + "$"):
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--retriever", "dense"))
+
+
 def test_a_ctrl_c_while_loading_is_one_line(world, tmp_path, monkeypatch, capsys):
     """It was a KeyboardInterrupt traceback from inside transformers."""
     def interrupted(*a, **k):
@@ -1640,8 +1690,8 @@ def test_a_runtime_error_while_answering_names_its_type(world, tmp_path, monkeyp
     with pytest.raises(SystemExit) as e:
         evaluate.main(one_set(world, out))
     assert e.value.code == 1
-    assert capsys.readouterr().err == (f"error: RuntimeError: CUDA out of memory\n0 finished questions are saved in "
-                                       f"{out / 'records.jsonl'}; rerun the same command to continue.\n")
+    assert capsys.readouterr().err == "error: RuntimeError: CUDA out of memory\nno question was answered yet\n"
+    assert not out.exists()  # the folder this run made goes again, where the message named a records.jsonl in it
 
 
 # ---------------------------------------------------------------------------- what a resume refuses, and says
