@@ -116,7 +116,7 @@ def uses_server(args) -> bool:
 def make_retriever(args):
     """The retriever of --retriever / --retriever_url; a server that does not answer is an EvalError."""
     from searchlite.config import ConfigError
-    from searchlite.retrieval import build_retriever, check_server, index_corpus
+    from searchlite.retrieval import build_retriever, check_server, index_corpus, other_index_kind
 
     if uses_server(args):
         if not args.retriever_url:
@@ -127,6 +127,8 @@ def make_retriever(args):
             raise EvalError(str(e)) from None
         return build_retriever("http", url=args.retriever_url, query_prefix=args.query_prefix or None,
                                encoder=args.encoder or None, pooling=args.pooling or "mean", index=args.index or None)
+    if why := other_index_kind(args.retriever, args.index):
+        raise EvalError(f"--retriever {why}")
     if args.retriever == "dense" and not args.encoder and not args.index:  # (build_retriever names its keywords)
         raise EvalError("--retriever dense needs --encoder (the sentence encoder) or --index (a dense index folder)")
     corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own

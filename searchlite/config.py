@@ -460,7 +460,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     from .models import DTYPES, pick_device
     from .protocol import get_protocol, missing_template, template_path
     from .r1pp import rewrite_template
-    from .retrieval import KINDS
+    from .retrieval import KINDS, other_index_kind
 
     def used(name: str) -> bool:
         return not reads or name in reads
@@ -545,6 +545,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                           f"(a server has its own: retrieve.py serve --query_prefix), not --retriever {cfg.retriever}")
     if cfg.retriever == "dense" and not (cfg.encoder or cfg.index):
         raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
+    if why := other_index_kind(cfg.retriever, cfg.index):
+        raise ConfigError(f"{_named(cfg, 'retriever')} {why}")
     if cfg.retriever == "rank_bm25" and cfg.index:
         raise ConfigError(f"--retriever rank_bm25 with --index {cfg.index}: rank_bm25 builds its BM25 in memory "
                           "with the rank_bm25 package; an index folder (retrieve.py build) holds a bm25s index, "

@@ -282,6 +282,10 @@ class TextEncoder:
         name = encoder_name(name)
         self.name, self.pooling, self.batch_size = name, pooling, batch_size
         self.device = torch.device(device)
+        from .config import is_hub_name
+
+        if not os.path.exists(name) and "/" in name and not is_hub_name(name):  # a path: the hub would be asked
+            raise ValueError(f"encoder {name!r}: no such folder")  # for it, and answer "Repo id must be ..."
         if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
             raise ValueError(f"encoder {name!r}: no config.json in that folder; expected a Hugging Face encoder "
                              "folder (save_pretrained) or a hub name such as intfloat/e5-base-v2")
@@ -545,6 +549,19 @@ def index_kind(folder) -> str | None:
     return found[0] if found else None
 
 
+def other_index_kind(retriever: str, index: str) -> str | None:
+    """Why --retriever `retriever` cannot read the folder --index `index` (for a message after the
+    retriever's flag): it holds the other kind of index; else None. --retriever's default, bm25, with a
+    dense folder was "X holds a dense index, not a bm25 one", which named no flag."""
+    from .config import resolve_path
+
+    folder = resolve_path(index) if index else ""
+    found = index_kind(folder) if folder and os.path.isdir(folder) else None
+    if found and retriever in ("bm25", "dense") and found != retriever:
+        return f"{retriever} with --index {index}, which holds a {found} index: give --retriever {found}"
+    return None
+
+
 def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     """Open a folder written by `retrieve.py build` (or a retriever's `save`). `corpus`, a
     path or passages, defaults to the corpus file the folder was built from; `kind`, when
@@ -553,7 +570,8 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     found = index_kind(folder)
     if found is None:
         raise FileNotFoundError(f"{folder} is not a finished index folder (no bm25.json or dense.json); "
-                                "build one with `python retrieve.py build`")
+                                "build one with `python retrieve.py build` (a stopped dense build continues when "
+                                "its command is run again)")
     if kind is not None and kind != found:
         raise ValueError(f"{folder} holds a {found} index, not a {kind} one")
     settings = read_settings(folder, found)
@@ -569,7 +587,8 @@ def load_index(folder, corpus=None, kind: str | None = None, **kw) -> Retriever:
     if corpus is None:
         corpus = settings.get("corpus")
         if not corpus or not os.path.isfile(corpus):
-            raise FileNotFoundError(f"{folder} was built from corpus {corpus!r}, which is not there; pass the corpus")
+            raise FileNotFoundError(f"{folder} was built from corpus {corpus!r}, which is not there; pass the corpus "
+                                    "(--corpus)")
     if isinstance(corpus, (str, os.PathLike)):
         offsets = os.path.join(folder, "corpus_offsets.npz")
         same = settings.get("corpus") and os.path.abspath(corpus) == settings["corpus"]

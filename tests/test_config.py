@@ -609,3 +609,15 @@ def test_a_typed_flag_that_the_other_settings_leave_unread_is_noted(capsys):
                   ["--preset", "toy-r1pp", "--reward", "em"]):  # the preset's eta and group_reward: not typed
         parse_args(flags)
         assert "does nothing" not in capsys.readouterr().err, flags
+
+
+def test_an_index_folder_of_the_other_kind_names_the_retriever_flag(tmp_path):
+    """--index DENSE_FOLDER with --retriever left at bm25 said '... holds a dense index, not a bm25 one' after
+    the config was printed, naming no flag; the other way round too."""
+    for kind, other in (("dense", "bm25"), ("bm25", "dense")):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / f"{kind}.json").write_text("{}")
+        flags = ["--index", str(tmp_path / kind)] + ["--retriever", other] * (other == "dense")
+        assert checked(*flags) == (f"--retriever {other} with --index {tmp_path / kind}, which holds a {kind} index: "
+                                   f"give --retriever {kind}")
+        assert checked(*flags[:2], "--retriever", kind) is None

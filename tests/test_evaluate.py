@@ -570,6 +570,10 @@ def test_judge_prompt_and_a_dense_retriever_without_encoder_are_named_by_their_f
     with pytest.raises(SystemExit, match="^" + re.escape("error: --retriever dense needs --encoder (the sentence "
                                                          "encoder) or --index (a dense index folder)") + "$"):
         evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--retriever", "dense"))
+    dense_folder(tmp_path / "idx", encoder="e5")
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --retriever bm25 with --index {tmp_path / 'idx'}, "
+                                                         "which holds a dense index: give --retriever dense") + "$"):
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--index", str(tmp_path / "idx")))
 
 
 def test_a_ctrl_c_while_loading_is_one_line(world, tmp_path, monkeypatch, capsys):

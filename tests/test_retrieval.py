@@ -566,7 +566,7 @@ def test_config_retriever_names_an_encoder_that_does_not_load(tmp_path):
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     cfg = SimpleNamespace(retriever="dense", corpus=str(tmp_path / "c.jsonl"), encoder=str(tmp_path / "no" / "enc"),
                           pooling="mean", index="", retriever_url="", topk=3)
-    with pytest.raises(ConfigError, match=re.escape(f"encoder '{tmp_path / 'no' / 'enc'}' could not be loaded")):
+    with pytest.raises(ConfigError, match="^" + re.escape(f"encoder '{tmp_path / 'no' / 'enc'}': no such folder")):
         config_retriever(cfg)
 
 
@@ -578,6 +578,8 @@ def test_a_folder_that_is_not_an_encoder_is_named_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="^" + re.escape(f"encoder '{enc}': no config.json in that folder; expected "
                                                          "a Hugging Face encoder folder") + ".*e5-base-v2$"):
         TextEncoder(str(enc))
+    with pytest.raises(ValueError, match="^" + re.escape(f"encoder '{tmp_path / 'none'}': no such folder") + "$"):
+        TextEncoder(str(tmp_path / "none"))  # was the hub's "Repo id must be in the form ..."
     (enc / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(ValueError, match="^" + re.escape(f"encoder '{enc}' could not be loaded: ")) as e:
         TextEncoder(str(enc))
