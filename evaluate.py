@@ -538,8 +538,11 @@ def evaluate(args, held: ExitStack) -> dict:
                 results.setdefault(name, {})[method] = summarize(recs)
                 records.setdefault(name, {})[method] = recs
     except (KeyboardInterrupt, RuntimeError, DataError) as e:  # DataError: a corpus line first read by a search
-        why = ("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}" if isinstance(e, DataError) else
-               f"error: {type(e).__name__}: {e}")
+        from searchlite.judge import JudgeError
+
+        named = isinstance(e, (DataError, JudgeError))  # a message that names its file or judge itself
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}" if named else \
+            f"error: {type(e).__name__}: {e}"
         saved = (f"{len(log.done)} finished questions are saved in {log.path}; rerun the same command to continue."
                  if log.done else "no question was answered yet")  # (a folder this run made is removed again)
         print(f"{why}\n{saved}", file=sys.stderr, flush=True)

@@ -204,8 +204,9 @@ class Judge:
         if status in (401, 403):
             key = (f"; its API key is read from ${self.key_env}, which is {'set' if self.key else 'not set'} "
                    "(--judge_key_env names another variable)")
-        raise JudgeError(f"judge endpoint {self.url} refused the request ({attempt + 1} attempt(s)): {cause}{key}",
-                         status)
+        what = ("refused the request" if status < 500 and status != 429
+                else "failed the request every time (busy, or a server error)")
+        raise JudgeError(f"judge endpoint {self.url} {what} ({attempt + 1} attempt(s)): {cause}{key}", status)
 
     def check(self) -> None:
         """A right and a wrong answer to one easy question, no retries: a wrong URL fails at once,

@@ -1075,7 +1075,7 @@ class JudgeHandler(JSONHandler):
     seen: list = []
     answer = staticmethod(lambda ok, prompt: "True" if ok else "False.")
     fail = staticmethod(lambda prompt: False)  # True: reply 503, as an overloaded server does; or a status
-    finish = staticmethod(lambda prompt: "stop")  # "length": the reply was cut off at max_tokens
+    finish_reason = staticmethod(lambda prompt: "stop")  # "length": the reply was cut off at max_tokens
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -1088,7 +1088,7 @@ class JudgeHandler(JSONHandler):
         pred = re.search(r"Predicted answer: (.*)", text)
         ok = bool(gold and pred and pred.group(1).strip().lower() in gold.group(1).lower().split(" | "))
         self.send_json(200, {"choices": [{"message": {"role": "assistant", "content": self.answer(ok, text)},
-                                          "finish_reason": self.finish(text)}]})
+                                          "finish_reason": self.finish_reason(text)}]})
 
 
 @contextmanager
@@ -1220,14 +1220,14 @@ def test_a_reply_cut_off_at_max_tokens_has_only_its_opening_verdict(judge_server
     assert verdict(thought) is True and verdict(thought, cut=True) is None
     assert verdict("False. The true", cut=True) is False and verdict("<think>x</think> True because", cut=True)
     monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: thought))
-    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "length"))
+    monkeypatch.setattr(JudgeHandler, "finish_reason", staticmethod(lambda prompt: "length"))
     recs = [{"question": "q1", "golden_answers": ["Paris"], "prediction": "Lyon"}]
     Judge(judge_server, "m").score(recs)
     assert recs[0]["judge"] == 0.0 and recs[0]["judge_cut"] is True and no_verdict(recs) == recs
-    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "stop"))  # a whole reply: its last word
+    monkeypatch.setattr(JudgeHandler, "finish_reason", staticmethod(lambda prompt: "stop"))  # whole: its last word
     Judge(judge_server, "m").score(recs)
     assert recs[0]["judge"] == 1.0 and "judge_cut" not in recs[0] and no_verdict(recs) == []
-    monkeypatch.setattr(JudgeHandler, "finish", staticmethod(lambda prompt: "length"))
+    monkeypatch.setattr(JudgeHandler, "finish_reason", staticmethod(lambda prompt: "length"))
     with pytest.raises(JudgeError, match="no verdict on a test question"):
         Judge(judge_server, "m").check()
 
@@ -1298,7 +1298,9 @@ def test_a_judge_failure_keeps_the_batch_and_a_rerun_judges_it(tok, tmp_path, ju
     run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
     path, judge = tmp_path / "r.jsonl", Judge(judge_server, "j", retries=0)
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "Question: q3" in prompt))
-    with pytest.raises(JudgeError, match="HTTP 503"):
+    # a 503 is a busy or failing server, not a refusal (a 4xx is one)
+    with pytest.raises(JudgeError, match=r"^judge endpoint \S+ failed the request every time \(busy, or a server "
+                                         r"error\) \(1 attempt\(s\)\): HTTP 503"):
         evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     # q3's request failed; q4's, in the same batch, answered and its verdict is kept
@@ -1348,6 +1350,17 @@ def test_cli_with_judge(world, tmp_path, judge_server, capsys):
     assert all(r["judge_model"] == "gpt-4o-mini" for r in results["records"]["alpha"]["direct"])
     with pytest.raises(SystemExit, match="does not answer.*--judge_url"):
         evaluate.main(cli(world, tmp_path / "o2", "--judge_url", f"http://127.0.0.1:{free_port()}/v1"))
+
+
+def test_a_judge_failing_mid_run_is_one_line_without_a_class_name(world, tmp_path, judge_server, monkeypatch, capsys):
+    """A judge that answered the start-up check and then kept failing (HTTP 503) was reported as 'error:
+    JudgeError: judge endpoint ... refused the request'."""
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "town 1?" in prompt))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(one_set(world, tmp_path / "out", "--judge_url", judge_server))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: judge endpoint {judge_server}/chat/completions failed the "
+                                                "request every time (busy, or a server error)"), err
 
 
 def test_verdicts_of_two_judge_setups_are_not_averaged(world, tmp_path, judge_server, capsys):
