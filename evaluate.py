@@ -556,6 +556,10 @@ def evaluate(args, held: ExitStack) -> dict:
     write_results(out, setup, results, avg, records, text)
     print(text)
     print(f"wrote {out / 'results.json'} and {out / 'table.md'}")
+    if len(log.done) > len(every):  # an earlier, larger command's table is replaced by this one's
+        print(f"note: they hold this command's {len(every)} answers; {log.path} holds {len(log.done)}, which the "
+              "command that asks for them all (its --data, --methods and --limit) tables again without answering "
+              "anew", flush=True)
     return {"metrics": results, "average": avg}
 
 

@@ -540,6 +540,17 @@ def test_overwrite_clears_nothing_when_the_model_does_not_load(world, tmp_path, 
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix != ".lock"} == before
 
 
+def test_a_smaller_rerun_says_its_table_holds_fewer_answers_than_the_folder(world, tmp_path, capsys):
+    """A rerun with fewer --methods or a smaller --limit replaced results.json and table.md with its own
+    subset without a word (realqa_eval.sh --limit 5 after the full run); the records stay, and it says so."""
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "direct,rag"))
+    assert "note: they hold" not in capsys.readouterr().out
+    evaluate.main(cli(world, out, "--methods", "rag", "--limit", "2"))
+    assert (f"note: they hold this command's 4 answers; {out / 'records.jsonl'} holds 16, which the command that asks "
+            "for them all") in capsys.readouterr().out
+
+
 def test_a_tokenizer_that_does_not_load_is_named_by_its_flag(world, tmp_path):
     """--tokenizer /nonexistent was reported as '--model M: could not load M: Repo id must ...'."""
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: --tokenizer {tmp_path / 'none'}: could not load its "
