@@ -329,7 +329,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
             sys.exit(f"error: {e}")
     found = find_checkpoint(out)
     # an earlier run's log with no checkpoint (stopped before its first save, or --steps 0): set aside, as one with it
-    log_only = found is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+    log_only = found is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0 \
+        and not (out / "checkpoint.previous").exists()  # (an earlier run set aside with its model: that set stays)
     logged = []  # the rows a resume keeps (those up to its checkpoint), read now: a damaged line is named
     if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():  # before the models load
         try:

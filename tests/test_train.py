@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -568,6 +569,20 @@ def test_an_earlier_run_without_a_checkpoint_is_set_aside_too(tiny_model, tmp_pa
     assert (out / "metrics.previous.jsonl").read_text() == first
     assert (out / "eval.previous" / "step_000000.jsonl").exists()
     assert [r["step"] for r in metrics(out)] == [0]
+
+
+def test_a_log_alone_does_not_replace_an_earlier_run_set_aside_with_its_model(tiny_model, tmp_path):
+    """A trained run set aside (checkpoint.previous and its log) by a --steps 0 run: the next run there set that
+    log-only run aside too, replacing the trained run's config, log and eval beside its checkpoint.previous."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1))
+    train.main(args(tiny_model, out, "grpo", steps=0))  # sets the trained run aside, whole
+    trained = {p.relative_to(out): p.read_bytes() for p in out.glob("*.previous*/**/*") if p.is_file()}
+    trained |= {p.relative_to(out): p.read_bytes() for p in out.glob("*.previous*") if p.is_file()}
+    train.main(args(tiny_model, out, "grpo", steps=0))
+    now = {p.relative_to(out): p.read_bytes() for p in out.glob("*.previous*/**/*") if p.is_file()}
+    now |= {p.relative_to(out): p.read_bytes() for p in out.glob("*.previous*") if p.is_file()}
+    assert now == trained and Path("checkpoint.previous/trainer.pt") in now
 
 
 def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_model, tmp_path):
