@@ -55,7 +55,7 @@ def plain_warnings(script: str) -> None:
     python_form = warnings.formatwarning
 
     def one_line(message, category, filename, lineno, line=None):
-        if Path(filename).resolve().parent in ours:
+        if category is UserWarning and Path(filename).resolve().parent in ours:  # (numpy's RuntimeWarning: Python's)
             return f"warning: {message}\n"
         return python_form(message, category, filename, lineno, line)
 
@@ -359,10 +359,11 @@ def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, p
         from_preset.pop("retriever", None)
     cfg = Config(**values)
     cfg.searchlite_sources = from_preset  # not a field: config.json and format_config leave it out
+    typed = dict(pairs)
     for key in sorted(given & IDLE.keys()):  # typed, and read by nothing the other settings run
         unread, why = IDLE[key]
         if unread(cfg):
-            print(f"note: --{key} {getattr(cfg, key)} does nothing {why}", file=sys.stderr, flush=True)
+            print(f"note: --{key} {typed[key]} does nothing {why}", file=sys.stderr, flush=True)
     if not cfg.out_dir:  # a program that reads no --algo (stage 1) names its folder after the preset alone
         cfg.out_dir = f"runs/{preset}-{cfg.algo}" if not reads or "algo" in reads else f"runs/{preset}"
     if defaulted and preset.startswith("toy") and not _toy_shaped(cfg.model):
@@ -396,12 +397,13 @@ def _named(cfg, name: str) -> str:
 
 _NO_CRITIC = (lambda c: c.algo != "ppo", "without a critic (--algo ppo)")
 _NO_LORA = (lambda c: not c.lora_rank, "without --lora_rank")
-_NO_GROUP_REWARD = (lambda c: c.reward != "r1pp" or not c.group_reward, "without the group reward (--reward r1pp)")
+_NO_GROUP_REWARD = (lambda c: c.reward != "r1pp" or not c.group_reward,
+                    "without the group reward (--reward r1pp, --group_reward true)")
 IDLE = {  # field: (whether the settings `c` leave it unread, why), for a note when it is typed
     "critic_lr": _NO_CRITIC, "critic_warmup_steps": _NO_CRITIC, "value_clip_eps": _NO_CRITIC, "lam": _NO_CRITIC,
     "lora_alpha": _NO_LORA, "lora_targets": _NO_LORA,
-    "master_weights": (lambda c: c.dtype == "float32" or c.lora_rank > 0,
-                       "unless --dtype bfloat16 trains every weight (no --lora_rank)"),
+    "master_weights": (lambda c: c.dtype == "float32" or c.lora_rank > 0 and c.algo != "ppo",
+                       "unless --dtype bfloat16 trains every weight (no --lora_rank, or PPO's critic)"),
     "group_reward": (lambda c: c.reward != "r1pp", "without --reward r1pp"),
     "eta": _NO_GROUP_REWARD, "group_sigma": _NO_GROUP_REWARD,
 }
@@ -459,7 +461,6 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
     from .protocol import get_protocol, missing_template, template_path
-    from .r1pp import rewrite_template
     from .retrieval import KINDS, other_index_kind
 
     def used(name: str) -> bool:
@@ -566,6 +567,8 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     for name, what in (("mem_coef", "the memorization loss needs"),
                        ("sft_rewrites", "the rewrite demonstrations need")):
         if used(name) and getattr(cfg, name) > 0:
+            from .r1pp import rewrite_template
+
             try:
                 rewrite_template(get_protocol(cfg.protocol, cfg.template), cfg.template)
             except (ValueError, OSError) as e:
