@@ -241,6 +241,8 @@ UNRECORDED = {"query_prefix": ""}
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
                  "grad_checkpointing", "master_weights")  # what stage 1 reads
+# what a resume may change: memory settings (the sampling log and the SFT state refuse any other change)
+RESUME_MAY_CHANGE = ("micro_batch_size", "grad_checkpointing")
 STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "out_dir": "folder for model/ (what stage 2 starts from), rejection_sampling.jsonl, config.json, stage1.json, "
                "trajectories/kept.html and, while SFT runs, sft_state.pt; empty = runs/<preset>",
@@ -448,8 +450,8 @@ def _stage1(cfg, began: list) -> Path:
     (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
     if cfg.resume and (out / "config.json").exists():  # what --resume continues with (the sampling log and the
         done = json.loads((out / "config.json").read_text(encoding="utf-8"))  # SFT state refuse what they cannot)
-        changes = [f"{k}: {done[k]!r} -> {getattr(cfg, k)!r}" for k in STAGE1_FIELDS
-                   if k not in ("out_dir", "resume") and k in done and done[k] != getattr(cfg, k)]
+        changes = [f"{k}: {done[k]!r} -> {getattr(cfg, k)!r}" for k in RESUME_MAY_CHANGE
+                   if k in done and done[k] != getattr(cfg, k)]
         if changes:
             print(f"note: --resume continues with settings of its own: {'; '.join(changes)} (config.json now holds "
                   "them, and a later --resume is checked against them)", flush=True)
