@@ -225,9 +225,11 @@ def main() -> None:
     if not sets["drawn"]:  # (all drawn, or all famous): a table of zeros said nothing
         sys.exit(f"error: {args.runs[0]}: no non-famous training question it drew has a never-drawn one to stand "
                  f"beside ({len(train_qa)} questions in {first['train_data']}); nothing to compare")
-    if epochs and (lacking := next((q for q in sets["drawn"] if "hops" not in q.meta), None)):
-        sys.exit(f"error: --sft_epochs: training question {lacking.id!r} ({first['train_data']}) has no 'hops' "
-                 "field: the ceiling's facts are the toy world's hops")
+    test_qa = read_qa(resolve_path(first["test_data"])) if epochs else []
+    for what, questions, data in (("training", sets["drawn"], "train_data"), ("test", test_qa, "test_data")):
+        if epochs and (lacking := next((q for q in questions if "hops" not in q.meta), None)):  # before any model
+            sys.exit(f"error: --sft_epochs: {what} question {lacking.id!r} ({first[data]}) has no 'hops' field: the "
+                     "ceiling's facts are the toy world's hops")
     models = ([("start: " + first["model"], resolve_path(first["model"]), first)] if args.start else [])
     models += [(run, str(ckpt / "policy"), c) for run, (c, ckpt) in runs.items()]
     print(f"{len(sets['drawn'])} non-famous training questions drawn by seed {first['seed']} "
@@ -240,7 +242,6 @@ def main() -> None:
         print(f"| {name} | {cells(got)} |", flush=True)
     if not epochs:
         return
-    test_qa = read_qa(resolve_path(first["test_data"]))
     tests = []
     for e, got, summary, split, nll in ceiling(first, sets, test_qa, epochs):
         print(f"| start + {e} epochs of SFT on the drawn answers | {cells(got)} |", flush=True)

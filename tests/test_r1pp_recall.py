@@ -192,11 +192,12 @@ def test_question_sets_without_a_famous_flag_are_plain(recall):
 
 def test_main_with_nothing_to_compare_or_no_hops_for_the_ceiling_says_so(recall, monkeypatch, capsys):
     """A training set the run drew whole (2 steps x 6 of 12) left no control, and a table of zeros; a
-    ceiling over questions without the toy world's hops ended in a KeyError traceback."""
-    base = {"model": "m", "seed": 0, "batch_size": 6, "steps": 2, "train_data": "t"}
-    train = [QA(f"q{i}", f"question {i}?", [f"a{i}"], {}) for i in range(12)]
+    ceiling over training or test questions without the toy world's hops ended in a KeyError traceback
+    (the test set's after the whole SFT). Each is one line before any model answers."""
+    base = {"model": "m", "seed": 0, "batch_size": 6, "steps": 2, "train_data": "t", "test_data": "e"}
+    sets = {"t": [QA(f"q{i}", f"question {i}?", [f"a{i}"], {}) for i in range(12)], "e": []}
     monkeypatch.setattr(recall, "load_runs", lambda names: {"r": (base, Path("r/checkpoint"))})
-    monkeypatch.setattr(recall, "read_qa", lambda path: train)
+    monkeypatch.setattr(recall, "read_qa", lambda path: sets[path])
     monkeypatch.setattr(recall, "resolve_path", str)
     monkeypatch.setattr(recall, "answer", lambda *a: pytest.fail("a model answered"))
     monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r"])
@@ -206,6 +207,10 @@ def test_main_with_nothing_to_compare_or_no_hops_for_the_ceiling_says_so(recall,
     base["steps"] = 1
     monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--sft_epochs", "1"])
     with pytest.raises(SystemExit, match=r"^error: --sft_epochs: training question 'q\d+' \(t\) has no 'hops' field"):
+        recall.main()
+    sets["t"] = [QA(q.id, q.question, q.answers, {"hops": [hop("b", "B")]}) for q in sets["t"]]
+    sets["e"] = [QA("x1", "?", ["X"], {"type": "1hop"})]
+    with pytest.raises(SystemExit, match=r"^error: --sft_epochs: test question 'x1' \(e\) has no 'hops' field"):
         recall.main()
 
 
