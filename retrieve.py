@@ -203,7 +203,8 @@ def main(argv=None) -> None:
         a("--encoder", default=None, help="dense: Hugging Face encoder name or folder")
         a("--pooling", default=None, choices=["mean", "cls"], help="dense: pooling (default: " + (
           "" if name == "build" else "an index folder's, else ") + "mean, as E5; BGE takes cls)")
-        a("--device", default=None, help="dense: torch device of the encoder (default cpu)")
+        a("--device", default=None, help="dense: torch device of the encoder: cpu (the default), cuda, cuda:N, "
+          "or auto (the GPU when there is one)")
         a("--query_prefix", default=None, help="dense: text before each query (default: " + (
           "" if name == "build" else "an index folder's, else ") + "by encoder name: 'query: ' for E5)")
         if name == "build":

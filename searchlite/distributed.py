@@ -272,7 +272,8 @@ def wrap_model(model: nn.Module | None, mode: str, device: torch.device,
     from torch.nn.parallel import DistributedDataParallel
 
     # no buffer broadcast before each forward: the buffers (rotary tables) are equal everywhere, and a
-    # forward pass then needs no collective (torch 2.13 calls it forward_sync_buffers and warns on the older name)
+    # forward pass then needs no collective (torch 2.13 names it forward_sync_buffers, warns on the older
+    # name, and broadcasts the buffers once as DDP starts, which changes nothing here)
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    **{"forward_sync_buffers" if newer else "broadcast_buffers": False})

@@ -99,7 +99,10 @@ def ties_embeddings(model: str) -> bool:
         return False
     from transformers import AutoConfig
 
-    return bool(getattr(AutoConfig.from_pretrained(folder), "tie_word_embeddings", False))
+    try:
+        return bool(getattr(AutoConfig.from_pretrained(folder), "tie_word_embeddings", False))
+    except (OSError, ValueError, KeyError):  # a config transformers cannot read: the load names it
+        return False
 
 
 # ---------------------------------------------------------------------------- optimizer

@@ -1367,6 +1367,7 @@ def test_a_judge_failing_mid_run_is_one_line_without_a_class_name(world, tmp_pat
     """A judge that answered the start-up check and then kept failing (HTTP 503) was reported as 'error:
     JudgeError: judge endpoint ... refused the request'."""
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: "town 1?" in prompt))
+    monkeypatch.setattr("searchlite.judge.time.sleep", lambda seconds: None)  # its retries' backoff: 7 s
     with pytest.raises(SystemExit) as e:
         evaluate.main(one_set(world, tmp_path / "out", "--judge_url", judge_server))
     err = capsys.readouterr().err
