@@ -54,7 +54,7 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import (NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
+from searchlite.config import (NEEDS_ENCODER, NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
                                not_a_folder, plain_warnings, resolve_path)
 from searchlite.data import DataError, held_folder, os_error_text, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
@@ -130,7 +130,7 @@ def make_retriever(args):
     if why := other_index_kind(args.retriever, args.index):
         raise EvalError(f"--retriever {why}")
     if args.retriever == "dense" and not args.encoder and not args.index:  # (build_retriever names its keywords)
-        raise EvalError("--retriever dense needs --encoder (the sentence encoder) or --index (a dense index folder)")
+        raise EvalError(NEEDS_ENCODER)
     corpus = index_corpus(args.corpus, args.index)  # resolved; None: the index folder's own
     if corpus is not None and not Path(corpus).is_file():
         raise EvalError(f"--corpus {args.corpus}: {'a folder, not a' if Path(corpus).is_dir() else 'no such'} file "

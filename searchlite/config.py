@@ -440,6 +440,7 @@ def is_hub_name(spec: str) -> bool:
             and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
+NEEDS_ENCODER = "--retriever dense needs --encoder (a sentence encoder) or --index (a dense index folder)"
 NEEDS_URL = ("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. http://127.0.0.1:8000; "
              "start one with python retrieve.py serve)")
 
@@ -545,7 +546,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"{_named(cfg, 'query_prefix')} {cfg.query_prefix!r}: only --retriever dense encodes queries "
                           f"(a server has its own: retrieve.py serve --query_prefix), not --retriever {cfg.retriever}")
     if cfg.retriever == "dense" and not (cfg.encoder or cfg.index):
-        raise ConfigError("--retriever dense needs --encoder (a sentence encoder) or --index (a saved index)")
+        raise ConfigError(NEEDS_ENCODER)
     if why := other_index_kind(cfg.retriever, cfg.index):
         raise ConfigError(f"{_named(cfg, 'retriever')} {why}")
     if cfg.retriever == "rank_bm25" and cfg.index:

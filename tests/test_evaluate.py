@@ -578,7 +578,7 @@ def test_judge_prompt_and_a_dense_retriever_without_encoder_are_named_by_their_f
         with pytest.raises(SystemExit, match="^" + re.escape(f"error: --judge_prompt {path}: ") + f".*{why}"):
             evaluate.main(one_set(world, tmp_path / "out", "--judge_url", "http://127.0.0.1:9/v1", "--judge_prompt",
                                   str(path)))
-    with pytest.raises(SystemExit, match="^" + re.escape("error: --retriever dense needs --encoder (the sentence "
+    with pytest.raises(SystemExit, match="^" + re.escape("error: --retriever dense needs --encoder (a sentence "
                                                          "encoder) or --index (a dense index folder)") + "$"):
         evaluate.main(cli(world, tmp_path / "out", "--methods", "rag", "--retriever", "dense"))
     dense_folder(tmp_path / "idx", encoder="e5")
