@@ -344,6 +344,17 @@ def drop_mixed_judges(results: dict, records: list[dict], path: Path) -> None:
                     metrics.pop("judge", None)
 
 
+def note_unjudged(records: dict) -> None:
+    """Say where LasJ is left out because some answers of a set and method have no verdict (`summarize`
+    reports it only for a set judged whole), as after a rerun without --judge_url that added answers."""
+    partial = [(name, method, sum("judge" in r for r in recs), len(recs)) for name, per_method in records.items()
+               for method, recs in per_method.items() if 0 < sum("judge" in r for r in recs) < len(recs)]
+    if partial:
+        print("note: LasJ is left out where some answers have no judge's verdict ("
+              + ", ".join(f"{name} {method}: {k} of {n}" for name, method, k, n in partial)
+              + "); rerun with --judge_url to judge the rest", file=sys.stderr)
+
+
 def write_results(out: Path, setup: dict, results: dict, avg: dict, records: dict, text: str) -> None:
     payload = {"settings": setup, "metrics": results, "average": avg, "records": records}
     write_durably(out / "results.json", lambda f: f.write(json.dumps(payload, indent=1, ensure_ascii=False)), "w")
@@ -551,6 +562,7 @@ def evaluate(args, held: ExitStack) -> dict:
     if judge is not None:
         warn_no_verdict(every, log.path)
     drop_mixed_judges(results, every, log.path)
+    note_unjudged(records)
     avg = average(results) if len(results) > 1 else {}
     text = table(results, avg)
     write_results(out, setup, results, avg, records, text)

@@ -1375,6 +1375,21 @@ def test_a_judge_failing_mid_run_is_one_line_without_a_class_name(world, tmp_pat
                                                 "request every time (busy, or a server error)"), err
 
 
+def test_lasj_left_out_for_answers_not_judged_is_noted(world, tmp_path, judge_server, capsys):
+    """A rerun without --judge_url that adds answers (a larger --limit) dropped the LasJ column, which the
+    README says such a rerun reports, without a word."""
+    out = tmp_path / "out"
+    evaluate.main(cli(world, out, "--methods", "direct", "--limit", "2", "--judge_url", judge_server))
+    assert "LasJ" in (out / "table.md").read_text()
+    capsys.readouterr()
+    evaluate.main(cli(world, out, "--methods", "direct", "--limit", "3"))
+    assert "LasJ" not in (out / "table.md").read_text()
+    assert ("note: LasJ is left out where some answers have no judge's verdict (alpha direct: 2 of 3, beta direct: "
+            "2 of 3); rerun with --judge_url to judge the rest") in capsys.readouterr().err
+    evaluate.main(cli(world, out, "--methods", "direct", "--limit", "2"))  # those judged alone: LasJ, no note
+    assert "LasJ" in (out / "table.md").read_text() and "note: " not in capsys.readouterr().err
+
+
 def test_verdicts_of_two_judge_setups_are_not_averaged(world, tmp_path, judge_server, capsys):
     out = tmp_path / "out"
     evaluate.main(cli(world, out, "--methods", "direct", "--judge_url", judge_server))
