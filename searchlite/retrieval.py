@@ -409,9 +409,7 @@ class DenseRetriever(Retriever):
     def _search_unique(self, queries: list[str], k: int) -> list[list[Hit]]:
         if not queries:
             return []
-        q = self.encode(list(queries), self.query_prefix)  # (n, H)
-        if q.shape[1] != self.index.d:
-            raise ValueError(f"encoder gives {q.shape[1]}-dim vectors but the index holds {self.index.d}-dim ones")
+        q = self.encode(list(queries), self.query_prefix)  # (n, H): the index's size, checked as it was given
         scores, idx = self.index.search(q, min(k, self.index.ntotal))  # (n, k) each
         return [_hits(self.passages, row[row >= 0], srow[row >= 0]) for row, srow in zip(idx, scores)]
 
@@ -555,8 +553,7 @@ def other_index_kind(retriever: str, index: str) -> str | None:
     dense folder was "X holds a dense index, not a bm25 one", which named no flag."""
     from .config import resolve_path
 
-    folder = resolve_path(index) if index else ""
-    found = index_kind(folder) if folder and os.path.isdir(folder) else None
+    found = index_kind(resolve_path(index)) if index else None  # (None for a FAISS file, or nothing there)
     if found and retriever in ("bm25", "dense") and found != retriever:
         return f"{retriever} with --index {index}, which holds a {found} index: give --retriever {found}"
     return None
