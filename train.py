@@ -331,6 +331,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
     # an earlier run's log with no checkpoint (stopped before its first save, or --steps 0): set aside, as one with it
     log_only = found is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0 \
         and not (out / "checkpoint.previous").exists()  # (an earlier run set aside with its model: that set stays)
+    earlier = found is not None and not cfg.resume or log_only  # an earlier run this one sets aside after step 0
     logged = []  # the rows a resume keeps (those up to its checkpoint), read now: a damaged line is named
     if cfg.resume and found and dist.is_main() and (out / "metrics.jsonl").exists():  # before the models load
         try:
@@ -463,14 +464,14 @@ def train(argv, held: contextlib.ExitStack) -> None:
         aside = " (checkpoint.previous holds the run a fresh start set aside: to continue it, rename it and its " \
                 "*.previous files back)" if (out / "checkpoint.previous").is_dir() else ""
         print(f"--resume: no checkpoint in {out}, starting fresh{aside}", flush=True)
-    if (found and not cfg.resume or log_only) and dist.is_main():  # a forgotten --resume: said before step 0's eval
+    if earlier and dist.is_main():  # (a forgotten --resume): said before step 0's evaluation
         what = "a checkpoint" if found else "the metrics.jsonl, with no checkpoint,"
         print(f"note: {out} holds {what} of an earlier run; this run starts fresh"
               + " (--resume continues it instead)" * bool(found) + " and sets the earlier run aside after its step-0 "
               "evaluation (a Ctrl-C before then changes no file)", flush=True)
     first_eval = evaluate(0) if start == 0 else None  # before any file changes, as the note says
     if dist.is_main():  # only now that everything has loaded and step 0 is scored: a run stopped before changes no file
-        if found and not cfg.resume or log_only:  # the earlier run is kept as *.previous, not replaced
+        if earlier:  # the earlier run is kept as *.previous, not replaced
             moved = set_aside(out, ((found.name,) if found else ()) + PREVIOUS_RUN)
             shutil.rmtree(out / "checkpoint.old", ignore_errors=True)  # an older copy that a save left behind
             print(f"note: the earlier run is kept: {', '.join(moved)}", flush=True)
