@@ -165,7 +165,7 @@ def build(args) -> None:
     print(f"wrote {args.out}: {len(r.passages)} passages in {time.time() - t0:.1f}s")
 
 
-def build_folder(kind: str, corpus: str, args, device: str | None = None):
+def build_folder(kind: str, corpus: str, args, device: str | None):
     from searchlite.indexing import build_bm25_folder, build_dense_folder
 
     if kind == "dense":
@@ -173,7 +173,7 @@ def build_folder(kind: str, corpus: str, args, device: str | None = None):
                                   query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
                                   faiss_index=args.faiss or "flat", search_params=args.search_params,
                                   shard_size=args.shard_size, batch_size=args.batch_size, max_length=args.max_length,
-                                  device=device or "cpu", keep_shards=args.keep_shards)
+                                  device=device, keep_shards=args.keep_shards)
     given = {k: getattr(args, k) for k in BM25_BUILD if getattr(args, k) is not None}  # else bm25s's 1.5 and 0.75
     return build_bm25_folder(corpus, args.out, **given)
 
