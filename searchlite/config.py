@@ -46,16 +46,17 @@ class ConfigError(ValueError):
 
 
 def plain_warnings(script: str) -> None:
-    """For a command-line script (`script`, its path): a warning raised in searchlite or in the script's
+    """For a command-line script (`script`, its path): a UserWarning raised in searchlite or in the script's
     own folder prints as one line, `warning: ...`, as its errors do, not as Python's two lines with the
-    file, line and source that warned. Other packages' warnings keep Python's form."""
+    file, line and source that warned. Other categories (numpy's RuntimeWarning, attributed to the searchlite
+    line that called it) and other packages' warnings keep Python's form."""
     import warnings
 
     ours = {Path(__file__).resolve().parent, Path(script).resolve().parent}
     python_form = warnings.formatwarning
 
     def one_line(message, category, filename, lineno, line=None):
-        if category is UserWarning and Path(filename).resolve().parent in ours:  # (numpy's RuntimeWarning: Python's)
+        if category is UserWarning and Path(filename).resolve().parent in ours:
             return f"warning: {message}\n"
         return python_form(message, category, filename, lineno, line)
 
