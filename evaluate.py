@@ -59,8 +59,8 @@ from searchlite.config import (NEEDS_ENCODER, NEEDS_URL, ArgumentParser, HelpFor
 from searchlite.data import DataError, held_folder, os_error_text, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
-from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
-                                   run_defaults, weight_files)
+from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, model_tokenizer,
+                                   resolve_model, run_defaults, weight_files)
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
@@ -498,7 +498,7 @@ def evaluate(args, held: ExitStack) -> dict:
         retriever = make_retriever(args) if {"rag", "search"} & set(methods) else None
         import torch
 
-        from searchlite.models import load_tokenizer, pick_device
+        from searchlite.models import pick_device
         from searchlite.sampler import HFSampler
 
         if args.threads:
@@ -520,7 +520,7 @@ def evaluate(args, held: ExitStack) -> dict:
             from searchlite.vllm_sampler import VLLMSampler
 
             folder = model_folder(args.model)
-            tokenizer = load_tokenizer(args.tokenizer or folder)
+            tokenizer = model_tokenizer(args.model, args.tokenizer, folder)
             sampler = VLLMSampler(folder, args.tokenizer or None, dtype=args.dtype, batch_size=args.batch_size,
                                   **sampling)
         else:

@@ -92,16 +92,23 @@ def load_tokenizer(path: str):
     return tok
 
 
-def run_tokenizer(cfg):
-    """The tokenizer of a run's --tokenizer or --model; one that cannot be loaded (a hub name the hub
-    does not know, no network) is a ConfigError naming the flag, not transformers' traceback."""
-    flag, spec = ("tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model", cfg.model)
+def named_tokenizer(flag: str, spec: str, path: str = ""):
+    """The tokenizer that `--flag spec` names, read from `path` (a GGUF file's converted folder) or
+    `spec`. One that cannot be loaded (a folder without tokenizer files, a hub name the hub does not
+    know, no network) is a ConfigError naming the flag, in one line, not transformers' traceback."""
+    path = path or spec
     try:
-        return load_tokenizer(spec)
-    except (OSError, ValueError) as e:  # ValueError: a folder without tokenizer files
-        hub = "" if Path(resolve_path(spec)).exists() else f" (no folder {spec} here, so it was asked of the hub)"
-        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer{hub}: "
+        return load_tokenizer(path)
+    except (OSError, ValueError, KeyError) as e:  # ValueError: a folder without tokenizer files
+        where = f" from {path}" if path != spec else ""
+        hub = "" if Path(resolve_path(path)).exists() else f" (no folder {path} here, so it was asked of the hub)"
+        raise ConfigError(f"--{flag} {spec}: could not load its tokenizer{where}{hub}: "
                           f"{' '.join(str(e).split())[:300]}") from None
+
+
+def run_tokenizer(cfg):
+    """The tokenizer of a run's --tokenizer, else its --model (`named_tokenizer`)."""
+    return named_tokenizer("tokenizer", cfg.tokenizer) if cfg.tokenizer else named_tokenizer("model", cfg.model)
 
 
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,

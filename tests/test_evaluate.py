@@ -551,11 +551,16 @@ def test_a_smaller_rerun_says_its_table_holds_fewer_answers_than_the_folder(worl
             "for them all") in capsys.readouterr().out
 
 
-def test_a_tokenizer_that_does_not_load_is_named_by_its_flag(world, tmp_path):
-    """--tokenizer /nonexistent was reported as '--model M: could not load M: Repo id must ...'."""
-    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --tokenizer {tmp_path / 'none'}: could not load its "
-                                                         f"tokenizer from {tmp_path / 'none'}: ")):
-        evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--tokenizer", str(tmp_path / "none")))
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+def test_a_tokenizer_that_does_not_load_is_named_by_its_flag(world, tmp_path, sampler):
+    """--tokenizer /nonexistent was reported as '--model M: could not load M: Repo id must ...', and
+    under --sampler vllm (which loads the tokenizer alone, before the engine) as transformers' message
+    alone, naming no flag."""
+    none = tmp_path / "none"
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: --tokenizer {none}: could not load its tokenizer "
+                                                         f"(no folder {none} here, so it was asked of the hub): ")):
+        evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--tokenizer", str(none), "--sampler",
+                          sampler))
 
 
 def test_a_ctrl_c_before_the_first_answer_says_none_was_saved(world, tmp_path, monkeypatch, capsys):
