@@ -42,6 +42,7 @@ import json
 import logging
 from contextlib import asynccontextmanager
 
+import uvicorn  # here, not in serve(): retrieve.py imports this module to check both before the index loads
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -283,8 +284,6 @@ def make_app(retriever, *, default_topk: int = 3, max_queries: int = 4096, max_q
 
 def serve(retriever, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
     """Run the app with uvicorn until interrupted; `settings` go to make_app."""
-    import uvicorn
-
     uvicorn.run(make_app(retriever, **settings), host=host, port=port, access_log=False)
 
 

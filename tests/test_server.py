@@ -34,6 +34,17 @@ def test_serve_checks_for_fastapi_before_loading_the_index(monkeypatch):
         retrieve.main(["serve"])
 
 
+def test_serve_checks_for_uvicorn_before_loading_the_index(monkeypatch):
+    """FastAPI without uvicorn passed the check, loaded the index, then ended in a ModuleNotFoundError
+    traceback when serve() imported uvicorn."""
+    monkeypatch.setattr(retrieve, "make", _never_load)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    monkeypatch.delitem(sys.modules, "searchlite.server")  # imported again, without uvicorn
+    with pytest.raises(SystemExit, match=r"^error: serving needs FastAPI and uvicorn \(.*uvicorn.*\): "
+                                         r"pip install -e '\.\[serve\]'$"):
+        retrieve.main(["serve"])
+
+
 @pytest.mark.parametrize("topk", ["0", "101"])
 def test_serve_refuses_a_default_topk_out_of_range_before_loading(monkeypatch, topk):
     monkeypatch.setattr(retrieve, "make", _never_load)
