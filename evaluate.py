@@ -532,8 +532,8 @@ def evaluate(args, held: ExitStack) -> dict:
         if args.overwrite:  # the earlier records go only once the model has loaded: one that does not loses nothing
             check_settings(out, setup, True, marks_nothing)
             log = RecordLog(out / "records.jsonl")
-    except (EvalError, DataError, ValueError, OSError) as e:  # (ModelError is a ValueError)
-        sys.exit(f"error: {e}")
+    except (EvalError, DataError, ValueError, OSError, ImportError) as e:  # (ModelError is a ValueError)
+        sys.exit(f"error: {e}")  # ImportError: a vLLM that is installed but does not import
 
     greedy = args.temperature <= 0
     reused = sum((name, m, q.id) in log.done for name, questions in qa.items() for m in methods for q in questions)

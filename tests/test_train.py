@@ -1410,3 +1410,21 @@ def test_mem_coef_scales_the_memorization_gradient(tiny_llama, byte_tokenizer):
     assert any(float(g.abs().max()) > 1e-4 for g in small)
     for a, b in zip(small, big):
         torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-4)
+
+
+def test_a_vllm_that_does_not_import_is_one_line(tiny_model, tmp_path, monkeypatch):
+    """--sampler vllm with vLLM installed but failing to import (check_config only sees it
+    installed) ended in the ImportError's traceback once the models had loaded."""
+    import importlib.util
+
+    import searchlite.vllm_sampler
+
+    def broken():
+        raise ImportError("vLLM did not import: operator torchvision::nms does not exist. A torchvision ...")
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
+    with pytest.raises(SystemExit, match=r"^error: vLLM did not import: operator torchvision::nms does not exist\. "):
+        train.main(args(tiny_model, tmp_path / "run", "grpo", extra=("--sampler", "vllm")))

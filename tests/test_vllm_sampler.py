@@ -31,6 +31,33 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("error", ["operator torchvision::nms does not exist", "something else"])
+def test_a_vllm_that_does_not_import_says_why_in_one_line(monkeypatch, error):
+    """vLLM installed beside PyPI's torchvision (built for another torch) raised RuntimeError on
+    import, a traceback after the models had loaded; it is an ImportError saying what to remove,
+    which the scripts print in one line. Any other RuntimeError is left as it is."""
+    import builtins
+
+    from searchlite import vllm_sampler
+
+    real = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name == "vllm":
+            raise RuntimeError(error + "\nmore lines")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    if "torchvision" in error:
+        with pytest.raises(ImportError, match=r"^vLLM did not import: operator torchvision::nms does not exist\. A "
+                                              r"torchvision built for another torch .*: pip uninstall torchvision "
+                                              r"torchaudio torchcodec \(\./setup\.sh does\)$"):
+            vllm_sampler._import_vllm()
+    else:
+        with pytest.raises(RuntimeError, match="^something else"):
+            vllm_sampler._import_vllm()
+
+
 @pytest.fixture(scope="module")
 def engine(one_thread):
     try:
