@@ -8,7 +8,8 @@ questions under the internal/external protocol, keep the correct, well-formed, d
 (`rejection_sample`), SFT the model on them with retrieved tokens masked (searchlite.sft), and
 save it; each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl, so
 `--resume` after an interrupt samples only what is missing. The sampler is the model itself
-(`cold_start_sampler = "policy"`, the paper's way: a prompted instruct model) or, in the toy
+(`cold_start_sampler = "policy"`, the paper's way: a prompted instruct model; through transformers,
+or an in-process vLLM engine under `--sampler vllm`, closed before the SFT) or, in the toy
 world, whose warm start never saw this protocol, the scripted teacher (`"teacher"`), which then
 plays the prompted model. A prompted instruct model can also follow the rewrite prompt below; a
 toy model cannot without seeing it done, so the teacher adds `sft_rewrites` demonstrations
@@ -235,9 +236,9 @@ def memorization_backward(policy, mem: Rollout | None, rows: list[int], coef: fl
 SAMPLING_FIELDS = ("model", "tokenizer", "dtype", "chat_template", "train_data", "seed", "sft_questions", "group",
                    "batch_size", "cold_start_sampler", "protocol", "template", "temperature", "top_p", "max_turns",
                    "max_new_tokens", "max_obs_tokens", "max_len", "retriever", "corpus", "encoder", "pooling",
-                   "index", "retriever_url", "query_prefix", "topk", "gen_batch_size")  # a resume samples on
-# with the same ones; a log from before a field was recorded was sampled with its value here
-UNRECORDED = {"query_prefix": ""}
+                   "index", "retriever_url", "query_prefix", "topk", "gen_batch_size", "sampler")  # a resume samples
+# on with the same ones; a log from before a field was recorded was sampled with its value here
+UNRECORDED = {"query_prefix": "", "sampler": "hf"}
 STAGE1_FIELDS = ("out_dir", "resume", "device", *SAMPLING_FIELDS, "sft_rewrites", "sft_epochs",
                  "sft_lr", "sft_batch_size", "micro_batch_size", "weight_decay", "grad_clip",
                  "grad_checkpointing", "master_weights")  # what stage 1 reads
@@ -250,6 +251,8 @@ STAGE1_HELP = {  # --help for the fields stage 1 reads otherwise than train.py
     "group": "trajectories sampled per question; the correct, well-formed ones are kept",
     "micro_batch_size": "trajectories per SFT forward/backward (gradient accumulation within --sft_batch_size; "
                         "at least 1, --sft_batch_size for the whole batch at once)",
+    "sampler": "what samples the model's trajectories (--cold_start_sampler policy): hf (transformers generate) | "
+               "vllm (an in-process vLLM engine, closed before the SFT; ./setup.sh vllm)",
 }
 
 
@@ -385,6 +388,18 @@ def join(a: Rollout, b: Rollout | None, tokenizer) -> Rollout:
 STAGE1_OUTPUTS = ("model", "stage1.json", "rejection_sampling.jsonl", "sft_state.pt", "config.json", "trajectories")
 
 
+def check_stage1(cfg) -> None:
+    """A ConfigError for settings stage 1 cannot run together, before out_dir is locked or anything loads."""
+    from .config import ConfigError
+
+    if cfg.sft_rewrites and cfg.cold_start_sampler != "teacher":
+        raise ConfigError("--sft_rewrites needs --cold_start_sampler teacher (it writes the demonstrations); "
+                          "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
+    if cfg.sampler == "vllm" and cfg.cold_start_sampler == "teacher":
+        raise ConfigError("--sampler vllm samples the model (--cold_start_sampler policy); the scripted teacher "
+                          "(--cold_start_sampler teacher) writes its trajectories without one")
+
+
 def stage1(cfg) -> Path:
     """Rejection-sample with `cfg`, SFT `cfg.model` on the kept trajectories, save out_dir/model;
     one stage 1 at a time in out_dir (two would mix their sampling logs and models)."""
@@ -409,9 +424,6 @@ def _stage1(cfg, began: list) -> Path:
     from .sft import sft
     from .view import write_html
 
-    if cfg.sft_rewrites and cfg.cold_start_sampler != "teacher":
-        sys.exit("error: --sft_rewrites needs --cold_start_sampler teacher (it writes the demonstrations); "
-                 "a prompted instruct model follows the rewrite prompt without them: --sft_rewrites 0")
     out = Path(cfg.out_dir)
     if cfg.resume and (out / "stage1.json").exists():
         done = json.loads((out / "config.json").read_text(encoding="utf-8")) if (out / "config.json").exists() else {}
@@ -439,9 +451,18 @@ def _stage1(cfg, began: list) -> Path:
 
         sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
     model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
-    if cfg.cold_start_sampler != "teacher":  # the model itself
-        sampler = HFSampler(model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    if cfg.cold_start_sampler != "teacher":  # the model itself, as train.py samples it
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                        seed=cfg.seed, batch_size=cfg.gen_batch_size)
+        if cfg.sampler == "vllm":  # an engine built from --model: nothing to push, the sampled model never changes
+            from .vllm_sampler import VLLMSampler
+
+            try:
+                sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
+            except ImportError as e:  # installed (check_config looked) but it does not import
+                sys.exit(f"error: {e}")
+        else:
+            sampler = HFSampler(model, tokenizer, **sampling)
     # only now that everything has loaded: a stage 1 that stops before this changes no file
     began.append(True)
     if not cfg.resume and (moved := set_aside(out, STAGE1_OUTPUTS)):  # a forgotten --resume loses nothing
@@ -464,6 +485,10 @@ def _stage1(cfg, began: list) -> Path:
                                            max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                                            chat_template=cfg.chat_template)
     print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+    if cfg.cold_start_sampler != "teacher" and cfg.sampler == "vllm":  # its memory goes to the SFT
+        if sampler.can_sleep:
+            sampler.release()  # GPU: the engine's weights and KV cache are freed at once
+        sampler.close()
     counts["t_sample"] = time.time() - t_sample
     if kept is None:
         sys.exit("error: no sampled trajectory was both correct and well formed, nothing to fine-tune on; "
@@ -529,6 +554,7 @@ def main(argv=None) -> None:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
                          reads=STAGE1_FIELDS, helps=STAGE1_HELP)
         check_config(cfg, STAGE1_FIELDS)
+        check_stage1(cfg)
         stage1(cfg)
     except (ConfigError, DataError) as e:  # a bad flag, or a bad line in the data or the sampling log
         sys.exit(f"error: {e}")

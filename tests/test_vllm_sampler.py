@@ -663,3 +663,38 @@ def test_plain_model_weights_are_its_state_dict(byte_tokenizer):
     got = list(checkpoint_weights(model))
     assert [n for n, _ in got] == list(model.state_dict())
     assert all(t is model.state_dict()[n] or torch.equal(t, model.state_dict()[n]) for n, t in got)
+
+
+def test_stage1_samples_with_vllm(engine, tmp_path, monkeypatch):
+    """R1-Searcher++ stage 1 with --cold_start_sampler policy --sampler vllm: its trajectories come
+    from an engine of its own, closed before the SFT, and the sampler is recorded, so a resume
+    with the other one is refused (the two draw other samples)."""
+    import json
+
+    from searchlite import r1pp
+    from searchlite.vllm_sampler import VLLMSampler
+
+    used, closed = [], []
+    generate, close = VLLMSampler.generate, VLLMSampler.close
+    monkeypatch.setattr(VLLMSampler, "generate", lambda self, *a, **k: used.append(self) or generate(self, *a, **k))
+    monkeypatch.setattr(VLLMSampler, "close", lambda self: closed.append(self) or close(self))
+    out = tmp_path / "s1"
+    argv = ["stage1", "--preset", "toy-r1pp-sft", "--model", TOY_MODEL, "--out_dir", str(out), "--protocol",
+            "search_r1", "--cold_start_sampler", "policy", "--sampler", "vllm", "--sft_rewrites", "0",
+            "--sft_questions", "16", "--group", "2", "--batch_size", "8", "--sft_epochs", "1", "--max_turns", "2"]
+    r1pp.main(argv)
+    counts = json.loads((out / "stage1.json").read_text())
+    assert counts["sampled"] == 32 and counts["kept"] > 0
+    assert used and closed == [used[0]] and all(s is used[0] for s in used) and used[0] is not engine
+    assert (out / "model" / "model.safetensors").exists()
+    assert json.loads((out / "rejection_sampling.jsonl").read_text().splitlines()[0])["fields"]["sampler"] == "vllm"
+    with pytest.raises(SystemExit, match=r"stage 1 in .* finished with sampler = 'vllm', this run has 'hf'"):
+        r1pp.main([a if a != "vllm" else "hf" for a in argv] + ["--resume"])
+
+
+def test_stage1_refuses_vllm_for_the_scripted_teacher(tmp_path):
+    from searchlite import r1pp
+
+    with pytest.raises(SystemExit, match=r"^error: --sampler vllm samples the model \(--cold_start_sampler policy\)"):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--sampler", "vllm", "--out_dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
