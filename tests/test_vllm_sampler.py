@@ -687,9 +687,18 @@ def test_stage1_samples_with_vllm(engine, tmp_path, monkeypatch):
     assert counts["sampled"] == 32 and counts["kept"] > 0
     assert used and closed == [used[0]] and all(s is used[0] for s in used) and used[0] is not engine
     assert (out / "model" / "model.safetensors").exists()
-    assert json.loads((out / "rejection_sampling.jsonl").read_text().splitlines()[0])["fields"]["sampler"] == "vllm"
+    log = (out / "rejection_sampling.jsonl").read_text().splitlines()
+    assert json.loads(log[0])["fields"]["sampler"] == "vllm" and len(log) == 3  # the fields, two batches of 8
     with pytest.raises(SystemExit, match=r"stage 1 in .* finished with sampler = 'vllm', this run has 'hf'"):
         r1pp.main([a if a != "vllm" else "hf" for a in argv] + ["--resume"])
+    # stopped after its first batch: --resume samples the second as the uninterrupted run did, to the same model
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "config.json").write_bytes((out / "config.json").read_bytes())
+    (again / "rejection_sampling.jsonl").write_text("\n".join(log[:2]) + "\n")
+    r1pp.main([a if a != str(out) else str(again) for a in argv] + ["--resume"])
+    assert (again / "rejection_sampling.jsonl").read_text().splitlines() == log
+    assert (again / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
 
 
 def test_stage1_refuses_vllm_for_the_scripted_teacher(tmp_path):
