@@ -109,6 +109,26 @@ def tiny_llama(byte_tokenizer):
     return make_tiny_llama(byte_tokenizer)
 
 
+BROKEN_VLLM = "vLLM did not import: operator torchvision::nms does not exist. A torchvision ..."
+
+
+@pytest.fixture()
+def broken_vllm(monkeypatch):
+    """vLLM installed (find_spec sees it) but failing to import, as beside PyPI's torchvision:
+    VLLMSampler raises ImportError(BROKEN_VLLM)."""
+    import importlib.util
+
+    import searchlite.vllm_sampler
+
+    def broken():
+        raise ImportError(BROKEN_VLLM)
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
+
+
 class JSONHandler(BaseHTTPRequestHandler):
     """A quiet HTTP handler for fake servers in tests: `send_json(code, obj)` replies with JSON."""
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama
+from conftest import BROKEN_VLLM, JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama
 from test_rollout import FakeRetriever
 from test_vllm_sampler import FakeLLM
 
@@ -2033,19 +2033,10 @@ def test_sampler_vllm_without_vllm_is_one_line_before_the_data_is_read(world, tm
     assert not (tmp_path / "out").exists()
 
 
-def test_a_vllm_that_does_not_import_is_one_line(world, tmp_path, monkeypatch):
+def test_a_vllm_that_does_not_import_is_one_line(world, tmp_path, broken_vllm):
     """A vLLM that is installed but does not import (PyPI's torchvision beside the CPU torch) was
     a traceback after the data and tokenizer had loaded."""
-    import searchlite.vllm_sampler
-
-    def broken():
-        raise ImportError("vLLM did not import: operator torchvision::nms does not exist. A torchvision ...")
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
-    monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
-    with pytest.raises(SystemExit, match=r"^error: vLLM did not import: operator torchvision::nms does not exist\. "):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {BROKEN_VLLM}") + "$"):
         evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm"))
     assert not (tmp_path / "out").exists()
 

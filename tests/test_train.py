@@ -1412,19 +1412,10 @@ def test_mem_coef_scales_the_memorization_gradient(tiny_llama, byte_tokenizer):
         torch.testing.assert_close(b, 3 * a, atol=1e-6, rtol=1e-4)
 
 
-def test_a_vllm_that_does_not_import_is_one_line(tiny_model, tmp_path, monkeypatch):
+def test_a_vllm_that_does_not_import_is_one_line(tiny_model, tmp_path, broken_vllm):
     """--sampler vllm with vLLM installed but failing to import (check_config only sees it
     installed) ended in the ImportError's traceback once the models had loaded."""
-    import importlib.util
+    from conftest import BROKEN_VLLM
 
-    import searchlite.vllm_sampler
-
-    def broken():
-        raise ImportError("vLLM did not import: operator torchvision::nms does not exist. A torchvision ...")
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
-    monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
-    with pytest.raises(SystemExit, match=r"^error: vLLM did not import: operator torchvision::nms does not exist\. "):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {BROKEN_VLLM}") + "$"):
         train.main(args(tiny_model, tmp_path / "run", "grpo", extra=("--sampler", "vllm")))
