@@ -60,8 +60,8 @@ from searchlite.config import (NEEDS_ENCODER, NEEDS_URL, NEEDS_VLLM, ArgumentPar
 from searchlite.data import DataError, held_folder, os_error_text, read_qa, write_durably
 from searchlite.evaluation import (METHODS, QUESTION_STOP, SCORING, RecordLog, average, evaluate_set, load_prompts,
                                    run_batch, summarize, table)
-from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, model_tokenizer,
-                                   resolve_model, run_defaults, weight_files)
+from searchlite.model_spec import (fill_prompt_settings, fill_run_settings, load_model, model_folder, resolve_model,
+                                   run_defaults, weight_files)
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 FLASHRAG = "the Hugging Face dataset RUC-NLPIR/FlashRAG_datasets (e.g. nq/test.jsonl, hotpotqa/dev.jsonl)"
@@ -501,7 +501,7 @@ def evaluate(args, held: ExitStack) -> dict:
         retriever = make_retriever(args) if {"rag", "search"} & set(methods) else None
         import torch
 
-        from searchlite.models import pick_device
+        from searchlite.models import model_tokenizer, pick_device
         from searchlite.sampler import HFSampler
 
         if args.threads:

@@ -42,8 +42,9 @@ from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss
 from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
 from searchlite.model_spec import weights_digest
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, interrupted_status, load_policy,
-                               load_trainer_state, lock_run, make_optimizer, pick_device, reuse_freed_memory,
-                               rng_state, run_tokenizer, save_checkpoint, set_aside, set_rng_state, trained_logprobs)
+                               load_trainer_state, lock_run, make_optimizer, model_tokenizer, pick_device,
+                               reuse_freed_memory, rng_state, save_checkpoint, set_aside, set_rng_state,
+                               trained_logprobs)
 from searchlite.protocol import get_protocol
 from searchlite.r1pp import memorization_backward, memorization_batch, reward_terms, rewrite_template
 from searchlite.retrieval import config_retriever
@@ -360,7 +361,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
         test_qa = test_qa[:cfg.eval_size]
     ckpt = found if cfg.resume else None  # resume: weights from the checkpoint, the rest below
     try:  # the first to reach the hub: a name it does not know (or no network) stops here, in one line
-        tokenizer = run_tokenizer(cfg)
+        tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     # --master_weights: the weights that train in full (the policy without LoRA, the critic, and the reference,

@@ -522,7 +522,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                 raise ConfigError(f"{_named(cfg, name)} {spec} is a run's folder, not a model: give "
                                   f"{weights or folder / 'checkpoint' / 'policy'} (its trained model), or "
                                   f"--out_dir {spec} --resume to continue that run")
-            marks = ("config.json", "adapter_config.json")  # (a tokenizer has many forms: run_tokenizer says)
+            marks = ("config.json", "adapter_config.json")  # (a tokenizer has many forms: model_tokenizer says)
             if name == "model" and not any((folder / m).is_file() for m in marks):  # else a traceback, later
                 inner = next((f for f in (folder / "policy", folder / "model") if (f / "config.json").is_file()
                               or (f / "adapter_config.json").is_file()), None)

@@ -231,18 +231,10 @@ def model_folder(spec: str) -> str:
     return str(gguf_to_folder(where)) if kind == "gguf" else where
 
 
-def model_tokenizer(spec: str, tokenizer: str = "", folder: str = ""):
-    """The tokenizer of --tokenizer, else of --model `spec` (read from its `folder`, model_folder's
-    answer); one that does not load is a ConfigError naming the flag (models.named_tokenizer)."""
-    from .models import named_tokenizer
-
-    return named_tokenizer("tokenizer", tokenizer) if tokenizer else named_tokenizer("model", spec, folder)
-
-
 def load_model(spec: str, tokenizer: str = "", dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer) for --model / --tokenizer; every failure is a ValueError naming the flag
     (a ModelError; a ConfigError for the tokenizer)."""
-    from .models import load_policy
+    from .models import load_policy, model_tokenizer
 
     from safetensors import SafetensorError
 

@@ -106,9 +106,10 @@ def named_tokenizer(flag: str, spec: str, path: str = ""):
                           f"{' '.join(str(e).split())[:300]}") from None
 
 
-def run_tokenizer(cfg):
-    """The tokenizer of a run's --tokenizer, else its --model (`named_tokenizer`)."""
-    return named_tokenizer("tokenizer", cfg.tokenizer) if cfg.tokenizer else named_tokenizer("model", cfg.model)
+def model_tokenizer(model: str, tokenizer: str = "", folder: str = ""):
+    """The tokenizer of --tokenizer, else of --model `model` (read from `folder`, where a GGUF file was
+    converted: model_spec.model_folder); one that does not load is a ConfigError naming the flag."""
+    return named_tokenizer("tokenizer", tokenizer) if tokenizer else named_tokenizer("model", model, folder)
 
 
 def load_policy(path: str, dtype: str = "float32", device="cpu", grad_checkpointing: bool = False,

@@ -417,7 +417,7 @@ def stage1(cfg) -> Path:
 def _stage1(cfg, began: list) -> Path:
     from .config import ConfigError, format_config, resolve_path, save_config
     from .data import read_qa
-    from .models import GracefulStop, load_policy, pick_device, reuse_freed_memory, run_tokenizer, set_aside
+    from .models import GracefulStop, load_policy, pick_device, model_tokenizer, reuse_freed_memory, set_aside
     from .protocol import get_protocol
     from .retrieval import config_retriever
     from .sampler import HFSampler
@@ -444,13 +444,14 @@ def _stage1(cfg, began: list) -> Path:
     retriever = config_retriever(cfg)
     device = pick_device(cfg.device)
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
-    tokenizer = run_tokenizer(cfg)  # a hub name it cannot load is a ConfigError, in one line
+    tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)  # a hub name it cannot load is a ConfigError, in one line
     protocol = get_protocol(cfg.protocol, cfg.template)
     if cfg.cold_start_sampler == "teacher":  # questions without the toy world's hops: a ConfigError, before the model
         from .teacher import Teacher
 
         sampler = Teacher(tokenizer, protocol, train_qa, seed=cfg.seed)
     model = load_policy(cfg.model, cfg.dtype, device, cfg.grad_checkpointing, master=cfg.master_weights)
+    engine = None  # --sampler vllm: the engine, closed once the sampling is done
     if cfg.cold_start_sampler != "teacher":  # the model itself, as train.py samples it
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                         seed=cfg.seed, batch_size=cfg.gen_batch_size)
@@ -458,7 +459,7 @@ def _stage1(cfg, began: list) -> Path:
             from .vllm_sampler import VLLMSampler
 
             try:
-                sampler = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
+                sampler = engine = VLLMSampler(cfg.model, cfg.tokenizer or None, dtype=cfg.dtype, **sampling)
             except ImportError as e:  # installed (check_config looked) but it does not import
                 sys.exit(f"error: {e}")
         else:
@@ -485,10 +486,10 @@ def _stage1(cfg, began: list) -> Path:
                                            max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,
                                            chat_template=cfg.chat_template)
     print("rejection sampling: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
-    if cfg.cold_start_sampler != "teacher" and cfg.sampler == "vllm":  # its memory goes to the SFT
-        if sampler.can_sleep:
-            sampler.release()  # GPU: the engine's weights and KV cache are freed at once
-        sampler.close()
+    if engine is not None:  # its memory goes to the SFT
+        if engine.can_sleep:
+            engine.release()  # GPU: the engine's weights and KV cache are freed at once
+        engine.close()
     counts["t_sample"] = time.time() - t_sample
     if kept is None:
         sys.exit("error: no sampled trajectory was both correct and well formed, nothing to fine-tune on; "
