@@ -51,7 +51,7 @@ from searchlite.retrieval import config_retriever
 from searchlite.rewards import exact_match
 from searchlite.rollout import rollout
 from searchlite.sampler import HFSampler
-from searchlite.vllm_sampler import VLLMSampler
+from searchlite.vllm_sampler import SharedVLLMSampler, VLLMSampler
 
 
 def micro_batches(n: int, size: int, lengths=None, max_tokens: int = 0):
@@ -422,9 +422,12 @@ def train(argv, held: contextlib.ExitStack) -> None:
         # without a reference it only samples: held in --dtype (no float32 copy on every rank), fresh or copied alike
         frozen = ref if ref is not None else frozen_copy(load_policy(cfg.model, cfg.dtype, device) if fresh else policy,
                                                          cfg.dtype)
-        rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, seed=(cfg.seed + 1_000_003 * (dist.world() + dist.rank())) % 2**32,
-                             batch_size=cfg.gen_batch_size)  # its own stream, past every rank's sampler's
+        rewrite_seed = (cfg.seed + 1_000_003 * (dist.world() + dist.rank())) % 2**32  # past every rank's sampler's
+        if cfg.sampler == "hf":
+            rewriter = HFSampler(frozen, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, seed=rewrite_seed, batch_size=cfg.gen_batch_size)
+        else:  # the policy's engine, given the frozen weights for each step's rewrites: no second engine
+            rewriter = SharedVLLMSampler(sampler, frozen, rewrite_seed)
         rewrite_prompt = rewrite_template(protocol, cfg.template)
 
     def evaluate(step: int) -> tuple[dict, list[dict]]:
@@ -523,10 +526,13 @@ def train(argv, held: contextlib.ExitStack) -> None:
 
             # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
             mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
-            if rewriter is not None:
-                with dist.gathered(rewriter.model), on_device(rewriter.model, device, cfg.ref_offload):
+            if rewriter is not None:  # (vLLM pushes a sharded model tensor by tensor: nothing to gather first)
+                with dist.gathered(rewriter.model if cfg.sampler == "hf" else None), \
+                        on_device(rewriter.model, device, cfg.ref_offload):
+                    rewriter.push_weights(rewriter.model)  # vLLM: into the policy's engine, until the next push
                     mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
                                                         cfg.chat_template)
+                    rewriter.release()
 
             # -------------------------------------------------------------- old / reference log-probs, values
             mask = ro.loss_mask.float()  # (N, T)

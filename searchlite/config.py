@@ -99,7 +99,7 @@ class Config:
     max_len: int = 4096  # cap on prompt + response tokens of one trajectory; it ends there, answered or not (Search-R1 keeps its last 4096 tokens and goes on), or at the model's context
     temperature: float = 1.0  # sampling temperature in training rollouts; log-probs use logits / temperature
     top_p: float = 1.0  # nucleus sampling in training rollouts
-    sampler: str = "hf"  # hf (transformers generate) | vllm (vLLM in this process, weights pushed after each update; ./setup.sh vllm)
+    sampler: str = "hf"  # hf (transformers generate) | vllm (vLLM in this process, weights pushed after each update, R1-Searcher++'s rewrites too; ./setup.sh vllm)
     gen_batch_size: int = 0  # sequences per generate call; 0 = all active trajectories at once
     mask_retrieved: bool = True  # retrieved tokens (and invalid-action messages) get loss_mask 0; false is Search-R1 Table 4's ablation
     # --- algorithm

@@ -19,7 +19,8 @@ with that trajectory's (correct) answer.
 Stage 2 (§4.2), called by train.py when `reward = "r1pp"` or `mem_coef > 0`:
 - `reward_terms`: R = R_format (0 / -2) + R_answer (cover-EM, 0 past 10 words) + R_group,
   R_group = min(2 sigma^2, eta) to the correct rollout(s) with the fewest retrievals (§4.2.1);
-- `memorization_batch`: the stage-1 model (frozen) reads the documents a correct rollout
+- `memorization_batch`: the stage-1 model (frozen; under `--sampler vllm`, the policy's engine
+  given its weights: vllm_sampler.SharedVLLMSampler) reads the documents a correct rollout
   retrieved and answers from them "as from memory"; the correct internal-only answers become
   trajectories *question prompt -> answer*, documents gone (§4.2.2);
 - `memorization_backward`: adds mu * L_M, L_M the token-mean NLL of those trajectories.

@@ -4,6 +4,7 @@
     outs = sampler.generate(prompts, stop=("</search>", "</answer>"))  # new ids of each prompt
     sampler.release()              # before the update: frees the KV cache (sleep mode, GPU only)
     sampler.push_weights(policy)   # after it: copies the policy's weights into vLLM
+    rewriter = SharedVLLMSampler(sampler, frozen, seed=1)  # another model on the same engine
 
 Prompts go in as token ids and the sampled ids come back as vLLM produced them, up to and
 including the token that completes a stop string (found in the new text), or the EOS token,
@@ -53,7 +54,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import resolve_path
-from .memory import is_adapter
+from .memory import LoRAReference, is_adapter
 from .model_spec import merged_folder
 from .sampler import PromptTooLong, call_seed, token_caps
 
@@ -67,12 +68,15 @@ def checkpoint_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """`model`'s weights named as in its Hugging Face checkpoint, which is what vLLM's loaders read.
 
     A peft LoRA model gives its base weights with the active adapters' deltas added (computed
-    here, so the module is not merged and unmerged in place); a DTensor gives its whole tensor.
+    here, so the module is not merged and unmerged in place), and a `LoRAReference` (the same
+    model, adapters disabled) the base weights alone; a DTensor gives its whole tensor.
     They come one at a time, so beside the model there is one whole tensor (and its delta), not a
     second model; under FSDP2 each is an all-gather, so every rank draws them all, in order."""
     if not hasattr(model, "peft_config"):
         return ((name, _whole(t)) for name, t in model.state_dict().items())
     base = model.get_base_model()
+    if isinstance(model, LoRAReference):  # a LoRA run's reference (R1-Searcher++'s rewriter): the base alone
+        return _merged(base, {})
     lora = {f"{name}.weight": module for name, module in base.named_modules()  # LoRA layers not already merged
             if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") and not module.merged}
     tied = [n for n in lora if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
@@ -238,13 +242,19 @@ class VLLMSampler:
 
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
                  greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
+        base = call_seed(self.seed, self.calls)
+        self.calls += bool(prompts) and not greedy  # greedy calls (evaluation) use no randomness: no seed shifts
+        return self.draw(prompts, base, stop, max_new_tokens, greedy, budget)
+
+    def draw(self, prompts: list[list[int]], base: int, stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
+             greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
+        """`generate` under the seed `base` (its `call_seed`), counting no call: for a sampler that
+        keeps its own stream on this engine (`SharedVLLMSampler`)."""
         if self.asleep:
             raise RuntimeError("VLLMSampler.generate after release(): push_weights(model) first")
         if not prompts:
             return []
         max_new = max_new_tokens or self.max_new_tokens
-        base = call_seed(self.seed, self.calls)
-        self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
         caps = token_caps(max_new, budget, len(prompts))
         params = [self._params(len(p), cap, stop, greedy, None if self.on_cpu or greedy else call_seed(base, i))
                   for i, (p, cap) in enumerate(zip(prompts, caps))]
@@ -276,3 +286,41 @@ class VLLMSampler:
             skip_special_tokens=False, spaces_between_special_tokens=False,  # tags may be special tokens
             allowed_token_ids=self.allowed,
         )
+
+
+class SharedVLLMSampler:
+    """Another model sampled on a VLLMSampler's engine, with a seed stream of its own: R1-Searcher++'s
+    rewriter (the frozen stage-1 model) beside the policy, where a second engine would hold a second
+    copy of the weights and a KV cache of its own. The step asks it as it asks the policy's sampler:
+
+        rewriter.push_weights(frozen)   # the engine now holds the frozen model's weights
+        outs = rewriter.generate(prompts, stop=...)
+        rewriter.release()              # sleep until the policy's next push (GPU)
+
+    The engine keeps those weights until its owner's next `push_weights`, which train.py makes
+    after every update, before the next rollout or evaluation. Temperature, top-p and
+    max_new_tokens are the engine's (the rewriter samples as the policy does); `calls` counts
+    this sampler's sampling calls alone, and the engine's count does not move."""
+
+    def __init__(self, engine: VLLMSampler, model, seed: int):
+        self.engine, self.model, self.seed, self.calls = engine, model, seed, 0
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def push_weights(self, model) -> None:
+        """Copy `model`'s weights into the shared engine (under FSDP2 every rank takes part)."""
+        self.model = model
+        self.engine.push_weights(model)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
+                 greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
+        base = call_seed(self.seed, self.calls)
+        self.calls += bool(prompts) and not greedy
+        return self.engine.draw(prompts, base, stop, max_new_tokens, greedy, budget)

@@ -269,10 +269,44 @@ def test_an_evaluation_between_rollouts_changes_no_sample(engine):
     assert sampled(after_evaluation=True) == sampled(after_evaluation=False)
 
 
+def test_a_shared_sampler_samples_its_own_model_and_stream_on_the_engine(engine, tok, prompts):
+    """SharedVLLMSampler (R1-Searcher++'s rewriter under --sampler vllm) samples what the engine
+    samples from the model it pushed, under its own seed, and moves the engine's count of calls
+    not at all; a push of the policy brings the policy's greedy tokens back."""
+    from searchlite.vllm_sampler import SharedVLLMSampler
+
+    policy, frozen = random_toy_model(1), random_toy_model(2)
+    engine.temperature = 1.0
+    try:
+        engine.seed = 5  # what an engine seeded 5 samples from `frozen`, and from the policy
+        engine.push_weights(frozen)
+        engine.load_state_dict({"calls": 0})
+        want = [engine.generate(prompts), engine.generate(prompts)]
+        engine.push_weights(policy)
+        engine.load_state_dict({"calls": 0})
+        assert engine.generate(prompts) != want[0]  # the weights decide the samples
+    finally:
+        engine.seed = 0
+    engine.load_state_dict({"calls": 3})
+    rewriter = SharedVLLMSampler(engine, frozen, seed=5)
+    rewriter.push_weights(rewriter.model)
+    got = [rewriter.generate(prompts), rewriter.generate(prompts), rewriter.generate(prompts[:2], greedy=True)]
+    rewriter.release()
+    assert got[:2] == want
+    assert got[2] == hf_sampler(frozen, tok).generate(prompts[:2], greedy=True)
+    assert rewriter.state_dict() == {"calls": 2} and engine.state_dict() == {"calls": 3}
+    rewriter.load_state_dict({"calls": 1})
+    rewriter.push_weights(frozen)
+    assert rewriter.generate(prompts) == want[1]  # replayable from its state
+    engine.push_weights(policy)
+    assert engine.generate(prompts, greedy=True) == hf_sampler(policy, tok).generate(prompts, greedy=True)
+
+
 def test_release_then_push(engine, tok, prompts, capsys):
     """release() frees memory where sleep mode exists (GPU); elsewhere it says so once and changes nothing."""
     model = random_toy_model(2)
     engine.push_weights(model)
+    engine._said_no_sleep = False  # (as if no test before had released the module's engine)
     engine.release()
     engine.release()
     if not engine.can_sleep:
@@ -387,6 +421,57 @@ def test_train_with_vllm_sampler(engine, tmp_path, monkeypatch):
     assert evals[0] != evals[1]  # the update changed the greedy answers
     assert evals[0] == hf_eval(cfg.model)
     assert evals[1] == hf_eval(str(tmp_path / "checkpoint" / "policy"))
+
+
+def test_r1pp_rewrites_sample_the_frozen_model_on_the_policys_engine(engine, tmp_path, monkeypatch):
+    """train.py --preset toy-r1pp --sampler vllm: the rewriter is the policy's engine given the
+    frozen starting model's weights, pushed before each step's rewrites, with the policy's pushed
+    back after the update; greedy rewrites are then the starting model's tokens (transformers'),
+    not the step's policy's, and its own seed stream is checkpointed."""
+    import zlib
+
+    import train
+    from searchlite.models import load_policy, load_tokenizer
+    from searchlite.protocol import get_protocol
+    from searchlite.rollout import encode_prompt
+    from searchlite.vllm_sampler import SharedVLLMSampler, VLLMSampler
+
+    pushed = []
+    push = VLLMSampler.push_weights
+    monkeypatch.setattr(VLLMSampler, "push_weights", lambda self, model: (pushed.append(model), push(self, model))[1])
+    tok, protocol = load_tokenizer(TOY_MODEL), get_protocol("r1_searcher_pp", "toy")
+    frozen = hf_sampler(load_policy(TOY_MODEL), tok, max_new_tokens=16)
+    seen = []
+
+    def rewrites(sampler, tokenizer, protocol_, template, ro, questions, chat_template=True):
+        ids = [encode_prompt(tok, protocol, q.question) for q in questions[:3]]
+        policy = hf_sampler(pushed[0], tok, max_new_tokens=16)  # the policy as this step samples it
+        seen.append({"rewriter": sampler, "pushes": len(pushed), "greedy": sampler.generate(ids, greedy=True),
+                     "sampled": sampler.generate(ids), "frozen": frozen.generate(ids, greedy=True),
+                     "policy": policy.generate(ids, greedy=True)})
+        return None, 0
+
+    def terms(ro, *a, **k):  # answer rewards from a hash of the response: mixed, so the step updates
+        hashed = torch.tensor([float(zlib.crc32(r.encode()) % 2) for r in ro.responses])
+        return {"format": torch.zeros(len(ro)), "answer": hashed, "group": torch.zeros(len(ro))}
+
+    monkeypatch.setattr(train, "memorization_batch", rewrites)
+    monkeypatch.setattr(train, "reward_terms", terms)
+    train.main(["--preset", "toy-r1pp", "--model", TOY_MODEL, "--sampler", "vllm", "--out_dir", str(tmp_path),
+                "--steps", "2", "--batch_size", "2", "--group", "3", "--max_new_tokens", "16", "--max_turns", "1",
+                "--eval_size", "4", "--lr", "1e-2", "--warmup_steps", "0", "--micro_batch_size", "6",
+                "--log_trajectories_every", "0"])
+    rewriter = seen[0]["rewriter"]
+    assert isinstance(rewriter, SharedVLLMSampler) and seen[1]["rewriter"] is rewriter
+    assert rewriter.model is not pushed[0] and not any(p.requires_grad for p in rewriter.model.parameters())
+    # pushes: the policy at the start, then each step the frozen model before its rewrites, the policy after
+    assert [p is rewriter.model for p in pushed] == [False, True, False, True, False]
+    assert [s["pushes"] for s in seen] == [2, 4]
+    for s in seen:
+        assert s["greedy"] == s["frozen"]
+    assert seen[1]["policy"] != seen[1]["frozen"]  # after one update the policy answers otherwise
+    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["rewriter"] == {"calls": 2}  # one sampling call a step; greedy calls count none
 
 
 def test_evaluate_with_vllm_sampler(engine, tmp_path):
@@ -654,6 +739,22 @@ def test_a_merged_adapter_is_not_added_twice(byte_tokenizer):
         assert torch.allclose(after[k], before[k], atol=1e-5, rtol=0), k
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(after[q], plain[q])  # the adapter has an effect
+
+
+def test_a_lora_runs_reference_is_pushed_as_the_base_alone(byte_tokenizer):
+    """A LoRA run's reference (R1-Searcher++'s rewriter under --sampler vllm) is the policy with its
+    adapters disabled: what it pushes is the base model's weights, under the plain names, with no
+    adapter's delta, while the policy itself pushes base + delta."""
+    from searchlite.memory import LoRAReference
+    from searchlite.vllm_sampler import checkpoint_weights
+
+    lora, plain = lora_model(byte_tokenizer, False, ["q_proj", "lm_head"])
+    got = dict(checkpoint_weights(LoRAReference(lora)))
+    assert list(got) == list(plain)
+    for k in plain:
+        assert torch.equal(got[k], plain[k]), k
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(dict(checkpoint_weights(lora))[q], plain[q])  # the adapter has an effect
 
 
 def test_plain_model_weights_are_its_state_dict(byte_tokenizer):
