@@ -283,6 +283,16 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
     return path
 
 
+def logged_questions(path: Path, fields: dict) -> int:
+    """How many questions a rejection-sampling log holds the samples of (0 without a log), once
+    `open_sampling_log` has checked that it was sampled with `fields` (a mismatch exits)."""
+    if not path.exists():
+        return 0
+    open_sampling_log(path, fields, resume=True)
+    batches = read_log(path, cut=False)[1:]  # (read only: a torn last line is cut when sampling appends)
+    return batches[-1]["next"] if batches else 0
+
+
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,
                      log: Path | None = None, **rollout_kw) -> tuple[Rollout | None, dict, list[str]]:
     """Roll out `samples` trajectories per question (`batch_size` questions a call); keep the
@@ -311,7 +321,8 @@ def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples:
     start = 0
     for batch in read_log(log)[1:] if log else []:  # the batches of an interrupted run (line 1: the fields)
         start = batch["next"]
-        sampler.load_state_dict(batch["sampler"])
+        if sampler is not None:  # (None: every batch is in the log, nothing is sampled)
+            sampler.load_state_dict(batch["sampler"])
         for k in ("sampled", "well_formed", "correct"):
             n[k] += batch["counts"][k]
         for row in batch["rows"]:
@@ -443,6 +454,9 @@ def _stage1(cfg, began: list) -> Path:
     random.Random(cfg.seed).shuffle(qa)
     qa = qa[:cfg.sft_questions or len(qa)]
     retriever = config_retriever(cfg)
+    log = out / "rejection_sampling.jsonl"  # checked now, before the model loads: one sampled otherwise is refused
+    fields = {k: getattr(cfg, k) for k in SAMPLING_FIELDS}
+    sampled = logged_questions(log, fields) if cfg.resume else 0
     device = pick_device(cfg.device)
     reuse_freed_memory(device)  # CPU: stop glibc unmapping and re-faulting the big logits blocks every pass
     tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)  # a hub name it cannot load is a ConfigError, in one line
@@ -456,7 +470,9 @@ def _stage1(cfg, began: list) -> Path:
     if cfg.cold_start_sampler != "teacher":  # the model itself, as train.py samples it
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                         seed=cfg.seed, batch_size=cfg.gen_batch_size)
-        if cfg.sampler == "vllm":  # an engine built from --model: nothing to push, the sampled model never changes
+        if cfg.sampler == "vllm" and sampled >= len(qa):  # a resume whose sampling is done starts no engine
+            sampler = None
+        elif cfg.sampler == "vllm":  # an engine built from --model: nothing to push, the sampled model never changes
             from .vllm_sampler import VLLMSampler
 
             try:
@@ -480,8 +496,7 @@ def _stage1(cfg, began: list) -> Path:
                   "them, and a later --resume is checked against them)", flush=True)
     save_config(cfg, out / "config.json")
     t_sample = time.time()
-    log = open_sampling_log(out / "rejection_sampling.jsonl", {k: getattr(cfg, k) for k in SAMPLING_FIELDS},
-                            cfg.resume)
+    log = open_sampling_log(log, fields, cfg.resume)
     kept, counts, asked = rejection_sample(sampler, retriever, tokenizer, protocol, qa, cfg.group, cfg.batch_size,
                                            log, max_turns=cfg.max_turns, topk=cfg.topk,
                                            max_obs_tokens=cfg.max_obs_tokens, max_len=cfg.max_len,

@@ -619,9 +619,14 @@ def test_stage1_stopped_while_sampling_says_what_is_kept(tiny_model, tmp_path, m
         r1pp.main(flags)
     assert stopped.value.code == 130
     assert "interrupted: rejection_sampling.jsonl keeps each finished sampling batch" in capsys.readouterr().err
+    from searchlite import models
+
+    loads, load = [], models.load_policy
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: loads.append(a) or load(*a, **k))
     with pytest.raises(SystemExit, match="sampled with temperature"):  # refused: no note says it goes on with it
         r1pp.main([*flags, "--resume", "--temperature", "1.0"])
     assert "continues with settings" not in capsys.readouterr().out
+    assert loads == []  # refused before the model loads (a 7B model, or a vLLM engine, took minutes first)
     r1pp.main([*flags, "--resume", "--micro_batch_size", "2"])  # (a memory setting: the samples stay those kept)
     assert ctrl_c.calls == 3 and (tmp_path / "model" / "model.safetensors").exists()  # the first batch not again
     out = capsys.readouterr().out  # what it continues, and with which changes, as train.py's resume says

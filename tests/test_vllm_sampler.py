@@ -800,6 +800,16 @@ def test_stage1_samples_with_vllm(engine, tmp_path, monkeypatch):
     r1pp.main([a if a != str(out) else str(again) for a in argv] + ["--resume"])
     assert (again / "rejection_sampling.jsonl").read_text().splitlines() == log
     assert (again / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
+    # stopped once every batch was sampled: --resume starts no engine, and trains the same model
+    done = tmp_path / "sampled"
+    done.mkdir()
+    for name in ("config.json", "rejection_sampling.jsonl"):
+        (done / name).write_bytes((out / name).read_bytes())
+    started = []
+    monkeypatch.setattr(VLLMSampler, "__init__", lambda self, *a, **k: started.append(a))
+    r1pp.main([a if a != str(out) else str(done) for a in argv] + ["--resume"])
+    assert started == [] and (done / "rejection_sampling.jsonl").read_text().splitlines() == log
+    assert (done / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
 
 
 def test_stage1_refuses_vllm_for_the_scripted_teacher(tmp_path):
