@@ -526,6 +526,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
 
             # -------------------------------------------------------------- memorization data (R1-Searcher++ §4.2.2)
             mem, mem_tried = None, 0  # internal-only rewrites of what the correct rollouts retrieved
+            t2 = time.time()
             if rewriter is not None:  # (vLLM pushes a sharded model tensor by tensor: nothing to gather first)
                 with dist.gathered(rewriter.model if cfg.sampler == "hf" else None), \
                         on_device(rewriter.model, device, cfg.ref_offload):
@@ -533,6 +534,7 @@ def train(argv, held: contextlib.ExitStack) -> None:
                     mem, mem_tried = memorization_batch(rewriter, tokenizer, protocol, rewrite_prompt, ro, questions,
                                                         cfg.chat_template)
                     rewriter.release()
+            t_rewrite = time.time() - t2
 
             # -------------------------------------------------------------- old / reference log-probs, values
             mask = ro.loss_mask.float()  # (N, T)
@@ -591,7 +593,8 @@ def train(argv, held: contextlib.ExitStack) -> None:
             if rewriter is not None:
                 n_kept = len(mem) if mem is not None else 0
                 row |= {"mem_tried": int(dist.all_sum(mem_tried)), "mem_kept": int(dist.all_sum(n_kept)),
-                        "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None}
+                        "mem_loss": dist.all_mean(float(np.mean(stats["mem_loss"]))) if stats["mem_loss"] else None,
+                        "t_rewrite": t_rewrite}  # seconds the rewrites took (vLLM: the push of the frozen model too)
             if dist.is_main():  # the step's line, then its evaluation's
                 print(f"step {step + 1:4d} | reward {row['reward']:.3f} | em {row['em']:.3f} "
                       f"| searches {row['searches']:.2f} | turns {row['turns']:.2f} | len {row['response_len']:5.1f} "

@@ -730,7 +730,7 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
     for r in rows[1:]:
         for k in ("loss", "kl", "entropy", "reward", "mem_loss", "r_format", "r_answer", "r_group"):
             assert torch.isfinite(torch.tensor(float(r[k]))), k
-        assert r["mem_kept"] == 3
+        assert r["mem_kept"] == 3 and r["t_rewrite"] >= 0
     assert not any(p.requires_grad for p in seen[0].parameters())  # the rewrite model is frozen
     seed = json.loads((out / "config.json").read_text())["seed"]
     # the rewriter samples its own stream (sampler.call_seed), never the policy sampler's
@@ -747,7 +747,7 @@ def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
         out = tmp_path / name
         train.main(stage2_args(tiny_model, out, extra))
         last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-        assert torch.isfinite(torch.tensor(last["loss"])) and "mem_kept" not in last
+        assert torch.isfinite(torch.tensor(last["loss"])) and "mem_kept" not in last and "t_rewrite" not in last
         assert ("r_group" in last) == (name != "em") and last.get("r_group", 0.0) == 0.0
     # a run without L_M resumed with it: its checkpoint has no rewriter state, the rewriter starts anew
     train.main(stage2_args(tiny_model, out, ["--reward", "em", "--steps", "2", "--resume"]))
