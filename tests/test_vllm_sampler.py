@@ -688,6 +688,33 @@ def test_release_sleeps_once_and_the_push_wakes_the_engine(make_sampler, monkeyp
     assert len(sampler.generate([[1]])) == 1
 
 
+def test_a_step_with_rewrites_keeps_the_engine_asleep_through_the_update(make_sampler, monkeypatch):
+    """With sleep mode (GPU), a step of R1-Searcher++ under --sampler vllm: the rollouts, a release,
+    the rewriter's push (the frozen weights, waking the engine), its sampling and its release, so
+    the engine sleeps again through the update; the policy's push wakes it for the next step.
+    The rewriter draws under its own seeds, the engine's count of calls stays where it was."""
+    from searchlite import vllm_sampler
+    from searchlite.vllm_sampler import SharedVLLMSampler
+
+    pushed = []
+    monkeypatch.setattr(vllm_sampler, "checkpoint_weights", lambda model: pushed.append(model) or iter([("w", model)]))
+    sampler = make_sampler(seed=3)
+    sampler.can_sleep = True
+    policy, frozen = torch.zeros(1), torch.ones(1)
+    rewriter = SharedVLLMSampler(sampler, frozen, seed=11)
+    sampler.generate([[1]])  # rollouts
+    sampler.release()
+    rewriter.push_weights(frozen)
+    rewriter.generate([[1], [2]])
+    rewriter.release()
+    events = list(sampler.llm.events)
+    sampler.push_weights(policy)  # after the update
+    wake = [("wake_up", ("weights",)), "reload_weights", ("wake_up", ("kv_cache",)), "reset"]
+    assert events == ["generate", ("sleep", 2), *wake, "generate", ("sleep", 2)]
+    assert sampler.llm.events[len(events):] == wake and pushed == [frozen, policy]
+    assert sampler.state_dict() == {"calls": 1} and rewriter.state_dict() == {"calls": 1}
+
+
 # ------------------------------------------------ checkpoint_weights
 
 
