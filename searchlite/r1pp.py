@@ -549,7 +549,8 @@ sft_batch_size; writes out_dir/model. Stage 2 starts from it: `python train.py -
 reads runs/toy-r1pp-sft/model, `--preset r1pp-qwen2.5-7b` runs/r1pp-qwen2.5-7b-sft/model; add
 `--model OUT_DIR/model` for another out_dir (the preset also sets the protocol and reward).
 Each finished batch of sampling is appended to out_dir/rejection_sampling.jsonl: after an
-interrupt, the same command with --resume samples only the batches still missing. The SFT saves
+interrupt, the same command with --resume samples only the batches still missing (with
+--sampler vllm and none missing, it starts no engine). The SFT saves
 its state to out_dir/sft_state.pt at each epoch's end and on Ctrl-C (after the step in hand);
 --resume continues it from there.
 Each field it reads: python -m searchlite.r1pp stage1 --help (a flag for any other is refused)."""
