@@ -42,6 +42,27 @@ def call_seed(seed: int, call: int) -> int:
     return (seed * 1_000_003 + call) % 2**63
 
 
+class SeedStream:
+    """A sampler's stream of call seeds (`call_seed`), its count of sampling calls the state a
+    checkpoint keeps. Each sampler sets `seed` and `calls` (0) in its __init__."""
+
+    seed: int
+    calls: int
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+    def next_seed(self, draws: bool = True) -> int:
+        """The seed of this call; `draws`: the call samples, so the next one gets the next seed
+        (greedy calls, evaluation's, use no randomness: they shift no later seed)."""
+        seed = call_seed(self.seed, self.calls)
+        self.calls += draws
+        return seed
+
+
 class PromptTooLong(RuntimeError):
     """A prompt that leaves the model no position to generate in. A rollout ends a trajectory
     at the model's context before this, so it is a first prompt (or a direct / rag one) that is
@@ -99,7 +120,7 @@ def _transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-class HFSampler:
+class HFSampler(SeedStream):
     """Batched sampling with transformers `generate` on the policy module itself."""
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int = 500, temperature: float = 1.0,
@@ -117,12 +138,6 @@ class HFSampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         # the positions the model knows, vLLM's max_model_len: a row's prompt + new tokens stop there
         self.max_model_len = getattr(_transformers_model(model).config, "max_position_embeddings", None)
-
-    def state_dict(self) -> dict:
-        return {"calls": self.calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.calls = state["calls"]
 
     def release(self) -> None:
         """Nothing to free: HFSampler keeps no memory between calls (VLLMSampler frees its KV cache)."""
@@ -144,8 +159,7 @@ class HFSampler:
         on_gpu = device.type == "cuda"
         gpus = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
         with torch.random.fork_rng(devices=gpus):  # manual_seed reseeds the GPU's generator too: keep it
-            torch.manual_seed(call_seed(self.seed, self.calls))
-            self.calls += not greedy  # greedy calls (evaluation) use no randomness: they must not shift seeds
+            torch.manual_seed(self.next_seed(draws=not greedy))
             out = []
             for s in range(0, len(prompts), step):
                 out += self._generate(prompts[s:s + step], stop, caps[s:s + step], greedy)

@@ -56,7 +56,7 @@ import torch
 from .config import resolve_path
 from .memory import LoRAReference, is_adapter
 from .model_spec import merged_folder
-from .sampler import PromptTooLong, call_seed, token_caps
+from .sampler import PromptTooLong, SeedStream, call_seed, token_caps
 
 
 def _skip_thread_warning(record: logging.LogRecord) -> bool:
@@ -160,7 +160,7 @@ def suppress_tokens(model: str) -> list[int]:
     return list(config.suppress_tokens or [])
 
 
-class VLLMSampler:
+class VLLMSampler(SeedStream):
     """Batched sampling with an in-process vLLM engine built from a Hugging Face folder."""
 
     def __init__(self, model: str, tokenizer: str | None = None, *, max_new_tokens: int = 500,
@@ -202,12 +202,6 @@ class VLLMSampler:
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.allowed = [i for i in range(vocab) if i not in suppressed] if suppressed else None
 
-    def state_dict(self) -> dict:
-        return {"calls": self.calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.calls = state["calls"]
-
     def release(self) -> None:
         """Free the KV cache and weights until the next `push_weights` (GPU sleep mode)."""
         if not self.can_sleep:
@@ -242,9 +236,8 @@ class VLLMSampler:
 
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
                  greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
-        base = call_seed(self.seed, self.calls)
-        self.calls += bool(prompts) and not greedy  # greedy calls (evaluation) use no randomness: no seed shifts
-        return self.draw(prompts, base, stop, max_new_tokens, greedy, budget)
+        return self.draw(prompts, self.next_seed(draws=bool(prompts) and not greedy), stop, max_new_tokens, greedy,
+                         budget)
 
     def draw(self, prompts: list[list[int]], base: int, stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
              greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
@@ -288,7 +281,7 @@ class VLLMSampler:
         )
 
 
-class SharedVLLMSampler:
+class SharedVLLMSampler(SeedStream):
     """Another model sampled on a VLLMSampler's engine, with a seed stream of its own: R1-Searcher++'s
     rewriter (the frozen stage-1 model) beside the policy, where a second engine would hold a second
     copy of the weights and a KV cache of its own. The step asks it as it asks the policy's sampler:
@@ -305,12 +298,6 @@ class SharedVLLMSampler:
     def __init__(self, engine: VLLMSampler, model, seed: int):
         self.engine, self.model, self.seed, self.calls = engine, model, seed, 0
 
-    def state_dict(self) -> dict:
-        return {"calls": self.calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.calls = state["calls"]
-
     def push_weights(self, model) -> None:
         """Copy `model`'s weights into the shared engine (under FSDP2 every rank takes part)."""
         self.model = model
@@ -321,6 +308,5 @@ class SharedVLLMSampler:
 
     def generate(self, prompts: list[list[int]], stop: tuple[str, ...] = (), max_new_tokens: int | None = None,
                  greedy: bool = False, budget: list[int] | None = None) -> list[list[int]]:
-        base = call_seed(self.seed, self.calls)
-        self.calls += bool(prompts) and not greedy
-        return self.engine.draw(prompts, base, stop, max_new_tokens, greedy, budget)
+        return self.engine.draw(prompts, self.next_seed(draws=bool(prompts) and not greedy), stop, max_new_tokens,
+                                greedy, budget)
