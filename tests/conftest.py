@@ -36,6 +36,19 @@ def run_under_ascii_locale(script: str, *args: str):
     return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_raises():
+    """A shell's background job (`pytest > log &`) starts with SIGINT ignored, and Python then never turns
+    it into KeyboardInterrupt: the tests that press Ctrl-C (`CtrlC`) saw nothing happen and failed. The
+    session gets Python's own handler, as in a terminal, and gives the ignored one back at its end."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class CtrlC:
     """Stands in for `owner.name` (monkeypatched), counting its calls in `calls`; during call
     number `at` (0: none) it sends this process SIGINT, as a Ctrl-C would."""
