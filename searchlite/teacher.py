@@ -36,14 +36,13 @@ YEAR = re.compile(r"^\d{3,4}$")
 class Teacher:
     def __init__(self, tokenizer, protocol, qa: list, *, seed: int = 0, p_guess: float = 0.3,
                  p_famous_internal: float = 0.9, p_stop: float = 0.45, p_verbatim: float = 0.05,
-                 p_wrong_span: float = 0.05, quote: bool = False):
+                 p_wrong_span: float = 0.05):
         lacking = next((q for q in qa if "hops" not in q.meta), None)
         if lacking is not None:
             raise ConfigError(f"--cold_start_sampler teacher: question {lacking.id!r} has no 'hops'; the teacher "
                               "scripts its trajectories from the toy world's hops. For other data, sample from the "
                               "model: --cold_start_sampler policy --sft_rewrites 0")
         self.tok, self.protocol, self.rng = tokenizer, protocol, random.Random(seed)
-        self.quote = quote
         self.by_question = {protocol.ask(q.question): q for q in qa}
         self.p = dict(guess=p_guess, famous=p_famous_internal, stop=p_stop, verbatim=p_verbatim, wrong=p_wrong_span)
         values = {a for q in qa for h in q.meta["hops"] for a in [h["answer"]]} | {a for q in qa for a in q.answers}
@@ -80,7 +79,7 @@ class Teacher:
             return self._search(query)
         hop = hops[min(len(results), len(hops)) - 1]
         found = self._read(results[-1], hop)
-        said = self._said(results[-1], hop, found)
+        said = f"I found {found}"  # what the thought says it read
         if len(results) < len(hops):  # a second hop (bridge) or a second lookup (comparison) remains
             if kind == "2hop":
                 if self.rng.random() < self.p["stop"]:
@@ -114,20 +113,6 @@ class Teacher:
         if hop["answer"] in result and not (wrong and self.rng.random() < self.p["wrong"]):
             return hop["answer"]
         return self.rng.choice(wrong) if wrong else self._guess(hop["answer"])
-
-    def _said(self, result: str, hop: dict, value: str) -> str:
-        """What the thought says it read: the passage's words up to the value (quote mode,
-        so the value follows the same words as in the passage), else 'I found value'."""
-        if self.quote:
-            docs = re.findall(r"Doc \d+\(Title: (.*?)\) (.*)", result)
-            docs.sort(key=lambda d: d[0] != hop["query"])  # the hop's own passage first
-            for _, text in docs:
-                for sentence in re.split(r"(?<=\.) ", text):
-                    m = re.search(rf"\b{re.escape(value)}\b", sentence)
-                    if m:
-                        said = sentence[:m.end()]
-                        return said + ")" * (said.count("(") - said.count(")"))
-        return f"I found {value}"
 
     def _guess(self, like: str) -> str:
         return self.rng.choice(self.years if YEAR.match(like) else self.names)
