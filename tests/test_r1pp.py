@@ -807,6 +807,19 @@ def test_open_sampling_log_with_resume_but_no_log_starts_one(tmp_path):
     assert log.read_text() == '{"fields": {"group": 2, "seed": 0}}\n'
 
 
+def test_a_resumed_file_that_is_no_sampling_log_is_named(tmp_path):
+    """A file in the log's place whose first line is not the fields line (another log, a torn write,
+    an empty file) is refused by its path and line, before anything is sampled into it."""
+    fields = {"group": 2, "seed": 0}
+    for first in ["", "not json\n", '{"question": "q"}\n', "[1, 2]\n"]:
+        log = tmp_path / "log.jsonl"
+        log.write_text(first)
+        with pytest.raises(SystemExit, match=r"error: .*log.jsonl:1: not a rejection-sampling log \(no fields line\); "
+                                             r"rerun without --resume"):
+            r1pp.open_sampling_log(log, fields, resume=True)
+        assert log.read_text() == first  # left as it was
+
+
 # ---------------------------------------------------------------------------- rewrite demonstrations
 
 
