@@ -226,6 +226,10 @@ def test_prompt_sets(tmp_path):
     with pytest.raises(ValueError, match=r"no prompt set 'nosuchset': .*nosuchset_\w+\.txt does not exist; the sets "
                                          r"here: fewshot, toy, '' \(searchlite's own\), or give a folder"):
         load_prompts("nosuchset")
+    for gone in [str(tmp_path / "gone"), "prompts.v2"]:  # a path (or a dotted name) to nothing
+        with pytest.raises(ValueError, match=rf"--prompts {re.escape(gone)}: not a folder of <method>.txt templates "
+                                             r"nor a prompt set name"):
+            load_prompts(gone)
     (tmp_path / "myprompts").mkdir()  # a folder here named by a bare word: was "no prompt set 'myprompts'"
     (tmp_path / "myprompts" / "direct.txt").write_text("Mine: {question}")
     with pytest.MonkeyPatch.context() as m:
