@@ -2,7 +2,6 @@
 
 import json
 import re
-import sys
 import warnings
 from pathlib import Path
 

@@ -729,8 +729,8 @@ def test_records_asked_without_search_r1s_question_mark_are_not_reused(world, tm
     R1-Searcher++'s protocol, the prompts are the same and the records are reused."""
     bare = tmp_path / "bare.jsonl"  # the world's questions without their "?"
     bare.write_text((world / "alpha.jsonl").read_text().replace('?"', '"'))
-    for protocol, data, refused in (("search_r1", bare, True), ("search_r1", world / "alpha.jsonl", False),
-                                    ("r1_searcher_pp", bare, False)):
+    for protocol, data, stale in (("search_r1", bare, True), ("search_r1", world / "alpha.jsonl", False),
+                                  ("r1_searcher_pp", bare, False)):
         out = tmp_path / f"{protocol}-{data.stem}"
         args = cli(world, out, "--methods", "direct", "--protocol", protocol, "--data", str(data))
         evaluate.main(args)
@@ -738,7 +738,7 @@ def test_records_asked_without_search_r1s_question_mark_are_not_reused(world, tm
         assert saved.pop("question_mark") is (protocol == "search_r1")
         (out / "run.json").write_text(json.dumps(saved))
         capsys.readouterr()
-        if refused:
+        if stale:
             with pytest.raises(SystemExit, match=r"other settings \(question_mark: False -> True\)"):
                 evaluate.main(args)
         else:

@@ -25,7 +25,7 @@ def occurrences(text: str, tag: str) -> list[int]:
 
 def complete_pairs(text: str, open_tag: str, close_tag: str) -> int:
     """How many open ... close pairs a left-to-right reader completes, each close the first after its open."""
-    n, closes = 0, occurrences(text, close_tag)
+    n, end, closes = 0, 0, occurrences(text, close_tag)  # end: where the last completed pair closes
     for start in occurrences(text, open_tag):
         if n and start < end:  # inside the pair just completed
             continue

@@ -361,7 +361,7 @@ def test_serve_takes_a_port_whose_last_server_just_stopped(monkeypatch):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)) as client:
+        with socket.create_connection(("127.0.0.1", port)):
             conn, _ = listener.accept()
             conn.close()  # the server's end closes first: it waits in TIME_WAIT
     retrieve.main(["serve", "--port", str(port)])
