@@ -422,6 +422,24 @@ def test_bad_lever_settings_are_config_errors(settings, message):
         check_levers(Config(**settings))
 
 
+@pytest.mark.parametrize("settings, package, message", [
+    ({"optimizer": "adamw8bit"}, "bitsandbytes", r"--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes"),
+    ({"lora_rank": 8}, "peft", r"--lora_rank needs peft: pip install peft"),
+])
+def test_a_lever_whose_package_is_missing_says_what_to_install(settings, package, message, monkeypatch):
+    """Without the package (a plain ./setup.sh), the setting is refused before a model loads, naming the install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == package else real(name, *a, **k))
+    with pytest.raises(ConfigError, match=message):
+        check_levers(Config(**settings))
+    monkeypatch.undo()
+    if real(package) is not None:  # installed (./setup.sh dev): no error
+        check_levers(Config(**settings))
+
+
 def test_lora_on_tied_embeddings_with_vllm_is_refused_before_any_model_loads(byte_tokenizer, tmp_path):
     """vLLM holds tied embeddings and LM head as one matrix: a LoRA on either was refused only when the
     first weights were pushed, after the models and the engine had loaded. An untied model, other targets,
