@@ -122,6 +122,21 @@ def tiny_llama(byte_tokenizer):
     return make_tiny_llama(byte_tokenizer)
 
 
+def pretend_installed(monkeypatch, **packages: bool):
+    """importlib.util.find_spec as if each named package were installed (True) or missing (False);
+    every other name is looked up as usual. What a setting's "needs package X" check sees."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in packages:
+            return object() if packages[name] else None
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
 BROKEN_VLLM = "vLLM did not import: operator torchvision::nms does not exist. A torchvision ..."
 
 
@@ -129,16 +144,12 @@ BROKEN_VLLM = "vLLM did not import: operator torchvision::nms does not exist. A 
 def broken_vllm(monkeypatch):
     """vLLM installed (find_spec sees it) but failing to import, as beside PyPI's torchvision:
     VLLMSampler raises ImportError(BROKEN_VLLM)."""
-    import importlib.util
-
     import searchlite.vllm_sampler
 
     def broken():
         raise ImportError(BROKEN_VLLM)
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    pretend_installed(monkeypatch, vllm=True)
     monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
 
 

@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import pretend_installed
 
 import searchlite.config
 from searchlite.config import Config, ConfigError, field_help, parse_args, plain_warnings, resolve_path, save_config
@@ -356,15 +357,12 @@ def test_a_missing_run_in_a_folder_here_is_not_sent_to_the_hub(tmp_path, monkeyp
 
 
 def test_a_run_folder_as_model_and_a_missing_vllm_are_named(tmp_path, monkeypatch):
-    import importlib.util
-
     run = tmp_path / "run"
     (run / "checkpoint" / "policy").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"protocol": "search_r1", "template": "toy"}))
     assert f"--model {run} is a run's folder, not a model: give {run / 'checkpoint' / 'policy'}" in checked(
         "--model", str(run))
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    pretend_installed(monkeypatch, vllm=False)
     assert "--sampler vllm needs vLLM: ./setup.sh vllm" in checked("--sampler", "vllm")
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BROKEN_VLLM, JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama
+from conftest import BROKEN_VLLM, JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama, pretend_installed
 from test_rollout import FakeRetriever
 from test_vllm_sampler import FakeLLM
 
@@ -2030,8 +2030,7 @@ def test_unjudged_records_beside_one_judge_setup_keep_its_lasj(tmp_path, capsys)
 def test_sampler_vllm_without_vllm_is_one_line_before_the_data_is_read(world, tmp_path, monkeypatch):
     """Without vLLM, --sampler vllm read the data, checked --out and loaded the tokenizer, then
     stopped on an ImportError traceback; train.py refuses it up front, and so does evaluate.py."""
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    pretend_installed(monkeypatch, vllm=False)
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {NEEDS_VLLM}") + "$"):
         evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm", "--data", str(tmp_path / "missing.jsonl")))
     assert not (tmp_path / "out").exists()

