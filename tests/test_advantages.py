@@ -192,6 +192,8 @@ def test_group_one_is_batch_mean_baseline():
 def test_group_bad_size():
     with pytest.raises(ValueError, match="5 scores do not split into groups of 2"):
         group_advantages(torch.zeros(5), group=2)
+    with pytest.raises(ValueError, match="4 scores do not split into groups of 0"):
+        group_advantages(torch.zeros(4), group=0)
 
 
 def test_broadcast_and_place_on_last_token():

@@ -76,6 +76,28 @@ def test_token_logprobs_bf16_gradient_keeps_no_fp32_copy():
     assert sum(kept) < (T - 1) * V * 4  # less than one fp32 row in all (B rows of it before)
 
 
+@pytest.mark.parametrize("dtype, passes", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_only_bf16_logprobs_are_computed_again_in_backward(monkeypatch, dtype, passes):
+    """With gradients, a bf16 row's (or chunk's) fp32 copy is made again in backward instead of
+    kept (torch.utils.checkpoint: two passes of the log-softmax); fp32 logits need no copy, so
+    they take one pass: per row in token_logprobs, per chunk in picked_logprobs, the update's path."""
+    from searchlite import losses
+
+    real, calls = losses._row_logprobs, []
+    monkeypatch.setattr(losses, "_row_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 5, 40, generator=gen) * 3).to(dtype).requires_grad_()  # (B, T, V)
+    token_logprobs(logits, torch.randint(0, 40, (2, 5), generator=gen))[:, 1:].sum().backward()
+    assert len(calls) == 2 * passes and logits.grad.abs().sum() > 0
+    calls.clear()
+    rows = (torch.randn(10, 40, generator=gen) * 3).to(dtype).requires_grad_()  # (n, V): chunks of 4, 4, 2
+    picked_logprobs(rows, torch.randint(0, 40, (10,), generator=gen), chunk=4).sum().backward()
+    assert len(calls) == 3 * passes and rows.grad.abs().sum() > 0
+    calls.clear()
+    picked_logprobs(rows.detach(), torch.zeros(10, dtype=torch.long), chunk=4)  # no gradient: one pass
+    assert len(calls) == 3
+
+
 def entropy_at_mask(logits, mask, chunk: int = 1024):
     """masked_entropy from whole rows' logits (B, T, V), picked where a masked token is predicted
     as `models.trained_logprobs` picks them."""

@@ -68,6 +68,8 @@ def test_exact_match(pred, golds, expected):
         ("new york city", ["york", "New York City"], 1.0),  # max over golds
         # "cat cat cat" vs "cat": overlap min(3, 1) = 1 -> P = 1/3, R = 1 -> 1/2
         ("the cat cat cat", ["cat"], 0.5),
+        # pred {big, red, apple}, gold {red, apple, pie, tin}: overlap 2, P = 2/3, R = 1/2 -> 4/7
+        ("big red apple", ["red apple pie tin"], 4 / 7),
         ("paris paris", ["paris paris"], 1.0),  # each repeat counts: overlap 2, not the 1 of a set
         ("noanswer here", ["noanswer"], 0.0),  # FlashRAG's special case: noanswer too, not only yes and no
         ("dog", ["cat"], 0.0),
