@@ -1,5 +1,7 @@
 """The rollout loop, driven by a scripted sampler and a fake retriever through every branch."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -115,6 +117,10 @@ def test_max_turns_zero_and_max_len(byte_tokenizer):
         short, sampler, _ = _run(byte_tokenizer, ["q-budget", "q-answer"], max_turns=3, max_len=10)
     assert short.turns.tolist() == [0, 0] and sampler.calls == []  # the prompt alone exceeds max_len: no turn
     assert short.answers == [None, None] and not short.loss_mask.any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a prompt with room for one token gets its turn, unwarned
+        ro, _, _ = _run(byte_tokenizer, ["q-answer"], max_len=len(encode_prompt(byte_tokenizer, P, "q-answer")) + 1)
+    assert ro.turns.tolist() == [1] and ro.answers == [None]
 
 
 def test_max_len_cuts_the_turn_or_passage_that_reaches_it(byte_tokenizer):
