@@ -263,8 +263,9 @@ def missing_template(path, name: str) -> str:
 
 def rewrite_path(name: str, template: str = "") -> Path:
     """R1-Searcher++'s rewrite prompt for protocol `name`: templates/<set>_<name>_rewrite.txt for a
-    template set (e.g. "toy"), else the paper-style templates/<name>_rewrite.txt."""
-    is_set = bool(template) and "/" not in template and "." not in template
+    template set (e.g. "toy"), else the paper-style templates/<name>_rewrite.txt: a prompt file,
+    also one named by a bare word in the working folder (`template_path`'s reading), is no set."""
+    is_set = bool(template) and template_path(name, template) == TEMPLATE_DIR / f"{template}_{name}.txt"
     return template_path(f"{name}_rewrite", template if is_set else "")
 
 

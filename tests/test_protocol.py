@@ -220,6 +220,21 @@ def test_a_bare_file_name_here_is_a_template_unless_a_set_has_that_name(tmp_path
     assert "Mine" not in get_protocol("search_r1", "toy").template
 
 
+def test_the_rewrite_prompt_is_a_sets_own_else_the_papers(tmp_path, monkeypatch):
+    """R1-Searcher++'s rewrite prompt: a template set's own rewrite file; for the paper's prompt or
+    a prompt file, also one named by a bare word here, the paper-style one (that bare file was
+    used as the rewrite prompt: the question prompt, asked to rewrite)."""
+    from searchlite.protocol import TEMPLATE_DIR, rewrite_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myprompt").write_text("Mine: {question}")
+    papers = TEMPLATE_DIR / "r1_searcher_pp_rewrite.txt"
+    assert rewrite_path("r1_searcher_pp", "toy") == TEMPLATE_DIR / "toy_r1_searcher_pp_rewrite.txt"
+    for template in ("", "myprompt", str(tmp_path / "myprompt"), "prompts/mine.txt"):
+        assert rewrite_path("r1_searcher_pp", template) == papers, template
+    assert papers.is_file() and rewrite_path("r1_searcher_pp", "toy").is_file()
+
+
 def test_a_utf8_template_is_read_under_an_ascii_locale(tmp_path):
     """Templates (and prompt sets, rewrite prompts, judge prompts) are UTF-8 files, whatever the locale."""
     from conftest import run_under_ascii_locale
