@@ -123,6 +123,7 @@ def test_long_query_is_cut():
     ("\\boxed{first} then \\boxed{second}", Action("answer", "second")),  # the last boxed answer
     ("\\boxed{unclosed", Action("invalid")),
     ("so \\boxed{Paris}. Also \\boxed{Lyo", Action("answer", "Paris")),  # a last box left open (a turn cut short)
+    ("\\boxed{Paris} or \\boxed{Lyo", Action("answer", "Paris")),  # ...also when the closed one opens the text
     ("<|begin_external_search|> q", Action("invalid")),
     # in text order: an answer closed before the search opens ends the trajectory...
     ("\\boxed{a} <|begin_external_search|> q \\boxed{b} <|end_external_search|>", Action("answer", "a")),
