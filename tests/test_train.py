@@ -889,6 +889,35 @@ def test_micro_batches_sum_to_the_gradient_of_the_whole_mini_batch(tiny_llama, b
         assert logged[k] == pytest.approx(v, rel=1e-5, abs=1e-8), k
 
 
+def test_ppo_micro_batches_sum_to_the_critics_whole_gradient_too(tiny_llama, byte_tokenizer):
+    """PPO: the critic's value-loss gradient over micro-batches of 2 is that of one pass over the
+    mini-batch (each micro-batch weighted by its token share), as the policy's is, and so is the
+    logged value loss."""
+    from conftest import make_tiny_llama
+    from searchlite.config import parse_args
+    from searchlite.models import Critic
+
+    g = torch.Generator().manual_seed(6)
+    ro, old_logp, adv = _update_inputs(tiny_llama, byte_tokenizer, (5, 2, 7, 3, 6), g)
+    critic = Critic(make_tiny_llama(byte_tokenizer, seed=1).model)
+    values = train.score_tokens(critic, ro, 8, "cpu", values=True)
+    old_values = values + 0.3 * torch.randn(values.shape, generator=g)  # some value errors clip
+    ret = values + torch.randn(values.shape, generator=g)
+
+    def grads(micro):
+        cfg = parse_args(["--preset", "none", "--algo", "ppo", "--kl_coef", "0", "--grad_clip", "1e9",
+                          "--micro_batch_size", str(micro)])
+        opt, critic_opt = Capture(tiny_llama.parameters()), Capture(critic.parameters())
+        stats = train.update(cfg, 0, tiny_llama, opt, ro, old_logp, old_logp, adv, "cpu", critic, critic_opt,
+                             old_values, ret)
+        return opt.grads, critic_opt.grads, sum(stats["vf_loss"])
+
+    (got, got_critic, logged), (want, want_critic, whole) = grads(2), grads(8)
+    for g_, w in zip(got + got_critic, want + want_critic):
+        torch.testing.assert_close(g_, w, atol=1e-7, rtol=1e-5)
+    assert sum(float(w.abs().sum()) for w in want_critic) > 0 and logged == pytest.approx(whole, rel=1e-5)
+
+
 def test_micro_batches_group_rows_of_like_length():
     """Every row once; with lengths, shortest first, so each micro-batch is padded to little more
     than its own rows (here 23 tokens with padding instead of 32)."""
