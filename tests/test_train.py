@@ -752,6 +752,23 @@ def test_trained_logprobs_runs_the_head_where_trained_tokens_are_drawn_only(tiny
     assert not tiny_llama.lm_head._forward_pre_hooks  # the pick is gone: generate() sees every position
 
 
+def test_trained_logprobs_of_a_model_whose_head_module_is_never_called(tiny_llama, monkeypatch):
+    """A model whose forward makes its logits without calling the module get_output_embeddings
+    names (so the pre-hook never picks): the rows' logits are picked afterwards, the same values."""
+    from searchlite.losses import token_logprobs
+    from searchlite.models import trained_logprobs
+
+    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    attn, mask = torch.ones_like(ids), torch.zeros_like(ids)
+    mask[0, 3:5], mask[1, 2], mask[1, 6] = 1, 1, 1
+    full = token_logprobs(tiny_llama(input_ids=ids, attention_mask=attn).logits, ids)
+    monkeypatch.setattr(type(tiny_llama), "get_output_embeddings", lambda self: torch.nn.Linear(1, 1))  # never called
+    logp, logits, at = trained_logprobs(tiny_llama, ids, attn, mask)
+    assert logits.shape == (4, tiny_llama.config.vocab_size) and not tiny_llama.lm_head._forward_pre_hooks
+    on = mask.bool()
+    assert torch.allclose(logp[on], full[on], atol=1e-6, rtol=0) and (logp[~on] == 0).all()
+
+
 class _Rows:
     """The three fields of a Rollout that score_tokens reads."""
 
