@@ -206,6 +206,18 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     assert r1pp.join(kept, None, tok) is kept
 
 
+def test_kept_internal_counts_the_kept_trajectories_that_never_searched(byte_tokenizer):
+    """stage1.json's kept_internal (how many of stage 1's trajectories answer from memory): the kept
+    trajectories with no search, not those with one or two."""
+    search = "Look. <|begin_external_search|> {} <|end_external_search|>"
+    scripts = {"q-internal": [internal("paris")], "q-twice": [search.format("paris"), search.format("france"),
+                                                              "So \\boxed{paris}."]}
+    qa = [QA(k, k, ["Paris"]) for k in scripts]
+    kept, n, _ = r1pp.rejection_sample(ScriptedSampler(byte_tokenizer, scripts), FixedRetriever(), byte_tokenizer,
+                                       PP, qa, samples=1, batch_size=2, max_turns=3, topk=1, chat_template=False)
+    assert kept.searches.tolist() == [0, 2] and (n["kept"], n["kept_internal"]) == (2, 1)
+
+
 def test_two_questions_with_the_same_correct_response_are_both_kept(byte_tokenizer):
     """A trajectory is the same one only with the same prompt: two questions answered alike are two
     trajectories (the same response ids, each after its own question)."""
