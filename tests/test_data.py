@@ -154,6 +154,17 @@ def test_an_unpaired_surrogate_escape_names_line_and_field(tmp_path):
             read(c)
 
 
+def test_a_surrogate_in_a_field_name_or_at_the_range_ends_is_named(tmp_path):
+    """Field names are checked too, and both ends of the surrogate range (U+D800, U+DFFF) count."""
+    for line, where, ch in [('{"id": "1", "q\\ud800": 1, "question": "q?", "golden_answers": ["x"]}',
+                             "a field name", "d800"),
+                            ('{"id": "1", "question": "q? \\udfff", "golden_answers": ["x"]}',
+                             "field 'question'", "dfff")]:
+        p = _write_lines(tmp_path / "q.jsonl", [line])
+        with pytest.raises(DataError, match=re.escape(f"{p}:1: {where} holds \\u{ch}, half of a UTF-16")):
+            read_qa(p)
+
+
 def _damaged_gz(kind, good):
     """The bytes of a .gz file holding one line `good`, damaged as `kind` says."""
     raw = gzip.compress((good + "\n").encode())
@@ -220,6 +231,14 @@ def test_qa_to_dict_meta_cannot_override_core_fields():
 def test_contents_round_trip(title, text):
     p = Passage("0", title, text)
     assert split_contents(p.contents) == (title, text)
+
+
+def test_contents_with_a_bare_or_a_short_quoted_title():
+    """Only a first line both opened and closed by a double quote loses its quotes: a bare title
+    (some corpora leave them out) stays whole, and so does a lone quote; "" is an empty title."""
+    assert split_contents("Paris\nThe capital.") == ("Paris", "The capital.")
+    assert split_contents('"P"\nx') == ("P", "x") and split_contents('""\nx') == ("", "x")
+    assert split_contents('"\nx') == ('"', "x") and split_contents('"Paris\nx') == ('"Paris', "x")
 
 
 def test_a_newline_in_a_title_stays_in_the_title():
@@ -314,6 +333,14 @@ def test_a_pretty_printed_json_file_is_named_as_such(tmp_path):
                                                       "JSON document (an array?) over many lines; JSONL holds one "
                                                       "object a line")):
             read_qa(tmp_path / "qa.json")
+
+
+def test_a_first_line_cut_off_is_named_as_cut_not_as_a_json_document(tmp_path):
+    """The JSON-document message is for a first line that opens an array or an object alone; a
+    first line that is an object cut short is still 'cut off?'."""
+    p = _write_lines(tmp_path / "qa.jsonl", ['{"question": "q?", "golden_answers": ["a"]', GOOD_Q])
+    with pytest.raises(DataError, match=re.escape(f"{p}:1: bad JSON: the line ends before its JSON does (cut off?)")):
+        read_qa(p)
 
 
 def test_held_folder_removes_only_a_folder_it_made_and_left_bare(tmp_path):
