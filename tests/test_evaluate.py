@@ -212,6 +212,10 @@ def test_average_is_unweighted_over_datasets():
     b = {"all": {"em": 0.0, "f1": 0.5, "n": 3}}
     avg = average({"x": {"rag": a}, "y": {"rag": b}})
     assert avg == {"rag": {"em": 0.5, "f1": 0.75, "n": 4}}
+    # a metric only some datasets have (a judge run on one of them) is left out, not averaged over fewer
+    judged = {"all": {"em": 0.0, "judge": 1.0, "f1": 0.25, "n": 2}}
+    assert average({"x": {"rag": judged}, "y": {"rag": b}}) == {"rag": {"em": 0.0, "f1": 0.375, "n": 5}}
+    assert average({"x": {"rag": b}, "y": {"rag": judged}}) == {"rag": {"em": 0.0, "f1": 0.375, "n": 5}}
 
 
 def test_prompt_sets(tmp_path):
@@ -274,8 +278,8 @@ def test_resume_scores_every_question_exactly_once(tok, tmp_path):
 
 
 def test_duplicate_ids_are_refused(tok, tmp_path):
-    questions = [QA("1", "a", ["x"]), QA("1", "b", ["y"])]
-    with pytest.raises(ValueError, match="occurs more than once"):
+    questions = [QA("0", "z", ["w"]), QA("1", "a", ["x"]), QA("1", "b", ["y"])]
+    with pytest.raises(ValueError, match="^d: question id '1' occurs more than once"):
         evaluate_set("d", "direct", questions, RecordLog(tmp_path / "r.jsonl"), lambda c: [], progress=False)
 
 
