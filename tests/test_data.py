@@ -129,6 +129,9 @@ def test_invalid_utf8_names_line(tmp_path):
     p.write_bytes(GOOD_C.encode() + b"\n" + b'{"id": "2", "contents": "\xff"}\n')
     with pytest.raises(DataError, match=r":2: not valid UTF-8"):
         read_corpus(p)
+    p.write_bytes(b'{"id": "2", "contents": "\xff"}\n')  # on line 1, but no gzip magic: no gzip hint
+    with pytest.raises(DataError, match=r"c.jsonl:1: not valid UTF-8 \([^)]*\)$"):
+        read_corpus(p)
     (tmp_path / "c.jsonl").write_bytes(gzip.compress(GOOD_C.encode() + b"\n"))  # gzip under a plain name
     with pytest.raises(DataError, match=r"c.jsonl:1: not valid UTF-8 \(.*\); it is gzip-compressed: name it .gz$"):
         read_corpus(p)
