@@ -544,6 +544,26 @@ def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
         config_retriever(SimpleNamespace(**{**vars(cfg), "index": str(tmp_path / "e5_Flat.index")}))
 
 
+def test_an_index_folder_whose_corpus_is_gone_names_it_and_another_corpus_keeps_its_offsets_cache(tmp_path):
+    """The corpus a folder recorded, moved away: the error names it and --corpus. A corpus passed
+    beside the folder is scanned on its own: the folder's offsets cache, for its own corpus, stays."""
+    from searchlite.indexing import build_bm25_folder
+
+    built, other, idx = tmp_path / "c.jsonl", tmp_path / "other.jsonl", tmp_path / "idx"
+    write_jsonl(built, map(passage_to_dict, CORPUS))
+    build_bm25_folder(str(built), str(idx), progress=False)
+    assert load_index(idx).search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    cache = idx / "corpus_offsets.npz"
+    before = cache.read_bytes()
+    other.write_text("\n" + built.read_text())  # the same passages a line lower: other offsets
+    assert load_index(idx, str(other)).search(["what causes ocean tides"], 1)[0][0].id == "v8"
+    assert cache.read_bytes() == before
+    built.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{idx} was built from corpus {str(built)!r}, which is not "
+                                                          "there; pass the corpus (--corpus)")):
+        load_index(idx)
+
+
 def test_search_takes_any_iterable_of_queries_and_numpy_k():
     """A generator was read twice: the second time empty, so search() returned []."""
     spy = _Spy()
