@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as dist
-from .data import DataError, append_log, read_log
+from .data import DataError, append_log, parse_object, read_log
 from .evaluation import encode_text, fill
 from .protocol import rewrite_path
 from .retrieval import Hit
@@ -285,12 +285,17 @@ def open_sampling_log(path: Path, fields: dict, resume: bool) -> Path:
 
 def logged_questions(path: Path, fields: dict) -> int:
     """How many questions a rejection-sampling log holds the samples of (0 without a log), once
-    `open_sampling_log` has checked that it was sampled with `fields` (a mismatch exits)."""
+    `open_sampling_log` has checked that it was sampled with `fields` (a mismatch exits). Only its
+    last whole line is parsed: `rejection_sample` reads the rest (a log can hold GBs of token ids)."""
     if not path.exists():
         return 0
     open_sampling_log(path, fields, resume=True)
-    batches = read_log(path, cut=False)[1:]  # (read only: a torn last line is cut when sampling appends)
-    return batches[-1]["next"] if batches else 0
+    last, last_no = None, 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):  # (read only: a torn last line is cut when sampling appends)
+            if n > 1 and line.endswith(b"\n") and line.strip():
+                last, last_no = line, n
+    return parse_object(last, path, last_no)["next"] if last else 0
 
 
 def rejection_sample(sampler, retriever, tokenizer, protocol, qa: list, samples: int, batch_size: int,

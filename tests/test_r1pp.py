@@ -11,7 +11,7 @@ import torch
 import train
 from searchlite import r1pp
 from searchlite.config import parse_args
-from searchlite.data import QA, DataError, read_log
+from searchlite.data import QA, DataError, append_log, read_log
 from searchlite.models import load_tokenizer
 from searchlite.protocol import get_protocol
 from searchlite.retrieval import Hit
@@ -817,6 +817,25 @@ def test_open_sampling_log_with_resume_but_no_log_starts_one(tmp_path):
     fields = {"group": 2, "seed": 0}
     log = r1pp.open_sampling_log(tmp_path / "sub" / "log.jsonl", fields, resume=True)
     assert log.read_text() == '{"fields": {"group": 2, "seed": 0}}\n'
+
+
+def test_logged_questions_reads_the_last_whole_batch_line(tmp_path):
+    """What a resumed stage 1 has sampled: the last whole line's `next`, not a torn line after it;
+    0 with no log or no batch; a bad last line is named by its line."""
+    fields = {"group": 2, "seed": 0}
+    log = tmp_path / "log.jsonl"
+    assert r1pp.logged_questions(log, fields) == 0
+    r1pp.open_sampling_log(log, fields, resume=False)
+    assert r1pp.logged_questions(log, fields) == 0
+    append_log(log, [{"next": 4, "rows": []}, {"next": 8, "rows": []}])
+    with open(log, "a") as f:
+        f.write('\n{"next": 12, "ro')  # a blank line, then a line the interrupt cut short
+    assert r1pp.logged_questions(log, fields) == 8
+    log.write_text(log.read_text().rsplit("\n", 1)[0] + '\n{"next": 12, "ro\n')
+    with pytest.raises(DataError, match=re.escape(f"{log}:5: bad JSON")):
+        r1pp.logged_questions(log, fields)
+    with pytest.raises(SystemExit, match="sampled with group = 2, this run has group = 3"):
+        r1pp.logged_questions(log, fields | {"group": 3})
 
 
 def test_a_resumed_file_that_is_no_sampling_log_is_named(tmp_path):
