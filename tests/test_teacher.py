@@ -47,12 +47,14 @@ def answer(response):
 def test_two_hop_recalls_only_when_every_hop_is_famous(famous, searches):
     q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
            {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", famous[0]), hop("Tesk", "Varn", famous[1])]})
-    teacher = Teacher(TOK, PP, [q], seed=0, **EXACT)
-    response, n = play(teacher, q.question)
-    assert n == searches and response.count("<|begin_internal_answer|>") == (searches == 0)
-    assert well_formed(response, PP) and cover_exact_match(answer(response), q.answers) == 1.0
-    if searches:  # the second search is for the bridge value read from the first passage
-        assert "I found Tesk. I need to search Tesk." in response
+    # other names the teacher knows, so that a guess in place of the value read is seldom right
+    filler = QA("9", "Who?", ["Ada"], {"type": "1hop", "hops": [hop(n, n, False) for n in ("Bex", "Cal", "Dov")]})
+    for seed in range(4):  # (a guess's draw depends on the seed)
+        response, n = play(Teacher(TOK, PP, [q, filler], seed=seed, **EXACT), q.question)
+        assert n == searches and response.count("<|begin_internal_answer|>") == (searches == 0)
+        assert well_formed(response, PP) and cover_exact_match(answer(response), q.answers) == 1.0
+        if searches:  # the second search is for the bridge value read from the first passage
+            assert "I found Tesk. I need to search Tesk." in response
 
 
 def test_comparison_looks_up_both_years_and_compares():
