@@ -409,6 +409,7 @@ def test_http_client_accepts_bare_documents(server):
     ([[{"document": {"contents": "x"}, "score": "high"}]], "could not convert string to float"),
     ([[{"document": {"title": None, "text": "x"}}]], "'title' and 'text'\\) strings"),  # was the title 'None'
     ([None], "answered query 'q' with null, not a list of documents"),
+    ([], r"sent no 'result' list for 1 queries: \{'result': \[\]\}"),  # a list, but not one a query
 ])
 def test_http_client_names_the_server_of_a_reply_it_cannot_read(server, result, message):
     """Items of another shape were empty passages ('Doc 1(Title: ) ') or a bare AttributeError."""

@@ -1267,6 +1267,9 @@ def test_max_length_past_the_encoders_positions_is_cut_to_them(encoder):
         enc = TextEncoder(encoder, max_length=1024)
     assert enc.max_length == 512
     assert enc.encode(["press founder " * 400, "bank"]).shape[0] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as many as it has: no warning
+        assert TextEncoder(encoder, max_length=512).max_length == 512
 
 
 def test_an_index_over_a_copy_with_lines_moved_warns(tmp_path, toy_passages):
