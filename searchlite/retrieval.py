@@ -254,6 +254,8 @@ def default_prefixes(encoder: str) -> tuple[str, str]:
     ('query: ', 'passage: ')
     >>> default_prefixes("/hf/hub/models--intfloat--e5-base-v2/snapshots/1c644c92ad3ba1efdad3f1451a637716616a20e8")
     ('query: ', 'passage: ')
+    >>> default_prefixes("models--intfloat--e5-small-v2/snapshots/1c64")  # named from inside the cache
+    ('query: ', 'passage: ')
     >>> default_prefixes("sentence-transformers/all-MiniLM-L6-v2")
     ('', '')
     """
