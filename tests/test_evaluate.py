@@ -1168,15 +1168,20 @@ def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judge
         judge.score(recs)  # a key or endpoint fault still stops the run
 
 
-def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch):
-    """HTTP 429 (too many requests) passes: the request is sent again after the backoff, where
-    another 4xx (a bad request) is not."""
+@pytest.mark.parametrize("status", [429, 500])
+def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch, status):
+    """HTTP 429 (too many requests) and a server error (5xx, 500 included) pass: the request is
+    sent again after the backoff, where another 4xx (a bad request) is not."""
     calls = []
-    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: calls.append(1) or (429 if len(calls) == 1
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: calls.append(1) or (status if len(calls) == 1
                                                                                               else False)))
     recs = [{"question": "q1", "golden_answers": ["Paris"], "prediction": "paris"}]
     Judge(judge_server, "m", backoff=0.0).score(recs)
     assert recs[0]["judge"] == 1.0 and len(JudgeHandler.seen) == 2
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: status))  # every time
+    with pytest.raises(JudgeError, match=re.escape(f"failed the request every time (busy, or a server error) "
+                                                   f"(2 attempt(s)): HTTP {status}")):
+        Judge(judge_server, "m", retries=1, backoff=0.0).score(recs)
 
 
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
