@@ -110,6 +110,8 @@ def verdict(reply: str, cut: bool = False) -> bool | None:
     (False, False, False)
     >>> verdict("<think>Lyon is not Paris.</think> False"), verdict("<think>Okay, let me"), verdict("Hmm")
     (False, None, None)
+    >>> verdict("**Correct answer**: Lyon"), verdict("- Yes and no"), verdict("**No doubt** Lyon")  # in markup too
+    (None, None, None)
     """
     answer = (reply or "").rsplit("</think>", 1)[-1].split("<think>", 1)[0]
     for label in (_LABEL, _OWN_LABEL):
