@@ -1148,16 +1148,17 @@ def test_judge_scores_records(judge_server, monkeypatch):
     assert auth == "Bearer sk-test"
 
 
+@pytest.mark.parametrize("status", [400, 413, 422])  # bad request, payload too large, unprocessable
 def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judged(judge_server, monkeypatch,
-                                                                                   tmp_path, capsys):
+                                                                                   tmp_path, capsys, status):
     recs = [{"question": q, "golden_answers": ["Paris"], "prediction": p} for q, p in (("q1", "paris"), ("q2", "LONG"))]
-    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 400 if "LONG" in prompt else False))
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: status if "LONG" in prompt else False))
     monkeypatch.delenv("TEST_JUDGE_KEY", raising=False)
     judge = Judge(judge_server, "m", backoff=0.0, key_env="TEST_JUDGE_KEY")
     judge.score(recs)
     assert [r["judge"] for r in recs] == [1.0, 0.0]
     assert recs[1]["judge_reply"].startswith("ERROR: judge endpoint") and "refused the request" in recs[1]["judge_reply"]
-    assert "HTTP 400" in recs[1]["judge_reply"] and refused(recs[1]) and not refused(recs[0])
+    assert f"HTTP {status}" in recs[1]["judge_reply"] and refused(recs[1]) and not refused(recs[0])
     assert no_verdict(recs) == []  # refused, not a reply without a verdict: the end-of-run warning says so
     evaluate.warn_no_verdict(recs, tmp_path / "records.jsonl")
     err = capsys.readouterr().err
