@@ -76,6 +76,19 @@ def test_a_row_that_samples_eos_ends_there_while_its_batch_goes_on(pad_is_eos):
     assert outs == [free[0][:end + 1], free[1]]
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_the_models_eos():
+    """A tokenizer handed to HFSampler as it is (not through load_tokenizer) may have no pad token:
+    the short row is padded with the EOS, masked out, and samples what it does with a pad token."""
+    tok = make_byte_tokenizer()
+    model = make_tiny_llama(tok, seed=5)
+    prompts = long_and_short(tok)
+    padded = HFSampler(model, tok, max_new_tokens=6).generate(prompts, greedy=True)
+    tok.pad_token = None
+    sampler = HFSampler(model, tok, max_new_tokens=6)
+    assert tok.pad_token_id is None and sampler.eos_ids == [tok.eos_token_id] and sampler.pad_id == tok.eos_token_id
+    assert sampler.generate(prompts, greedy=True) == padded
+
+
 def test_a_tiny_temperature_or_top_p_samples_the_greedy_tokens(byte_tokenizer):
     tok = byte_tokenizer
     model = make_tiny_llama(tok, seed=5)
