@@ -485,14 +485,16 @@ def test_set_aside_replaces_the_older_set_whole(tmp_path):
     first run's trajectory page beside the second's config.previous.json, when only it had pages)."""
     from searchlite.models import set_aside
 
-    names = ("checkpoint", "config.json", "trajectories")
+    names = ("checkpoint", "config.json", "trajectories", "samples.jsonl")
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "config.json").write_text("first")
     (tmp_path / "trajectories").mkdir()
     (tmp_path / "trajectories" / "step00001.html").write_text("first")
+    (tmp_path / "samples.jsonl").write_text("first")
     assert set_aside(tmp_path, names) == ["checkpoint -> checkpoint.previous", "config.json -> config.previous.json",
-                                          "trajectories -> trajectories.previous"]
-    (tmp_path / "checkpoint").mkdir()  # the second run logs no pages
+                                          "trajectories -> trajectories.previous",
+                                          "samples.jsonl -> samples.previous.jsonl"]
+    (tmp_path / "checkpoint").mkdir()  # the second run logs no pages and no samples (a folder and a file)
     (tmp_path / "config.json").write_text("second")
     assert set_aside(tmp_path, names) == ["checkpoint -> checkpoint.previous", "config.json -> config.previous.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous", "config.previous.json"]
