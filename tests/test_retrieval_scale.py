@@ -1101,6 +1101,8 @@ def test_missing_null_or_zero_topk_gets_the_default_as_in_search_r1(toy_passages
     for bad in (0, 101):
         with pytest.raises(ValueError, match=f"default_topk must be 1..100, got {bad}"):
             make_app(r, default_topk=bad)
+    for ends in (1, 100):  # both ends of the range are served
+        make_app(r, default_topk=ends)
 
 
 def test_a_query_over_max_query_chars_is_cut_not_refused(served):
