@@ -1409,6 +1409,17 @@ def test_lasj_left_out_for_answers_not_judged_is_noted(world, tmp_path, judge_se
     assert "LasJ" in (out / "table.md").read_text() and "note: " not in capsys.readouterr().err
 
 
+def test_only_a_set_and_method_judged_in_part_is_noted(capsys):
+    """Answers all judged, or none judged (a run without --judge_url), need no note."""
+    judged, unjudged = {"judge": 1.0}, {}
+    evaluate.note_unjudged({"alpha": {"direct": [judged, judged], "rag": [unjudged, unjudged]},
+                            "beta": {"direct": [unjudged, judged, unjudged], "rag": []}})
+    assert capsys.readouterr().err == ("note: LasJ is left out where some answers have no judge's verdict "
+                                       "(beta direct: 1 of 3); rerun with --judge_url to judge the rest\n")
+    evaluate.note_unjudged({"alpha": {"direct": [judged], "rag": [unjudged]}})
+    assert capsys.readouterr().err == ""
+
+
 def test_verdicts_of_two_judge_setups_are_not_averaged(world, tmp_path, judge_server, capsys):
     out = tmp_path / "out"
     evaluate.main(cli(world, out, "--methods", "direct", "--judge_url", judge_server))
