@@ -1072,6 +1072,7 @@ def test_error_unknown_method(world, tmp_path):
     (("--max_turns", "-1"), "argument --max_turns: must be at least 0, got -1"),
     (("--topk", "x"), "argument --topk: invalid int value: 'x'"),
     (("--temperature", "-1"), "argument --temperature: must be at least 0 (0 = greedy), got -1.0"),
+    (("--threads", "-1"), "argument --threads: must be at least 0, got -1"),  # 0: torch's default
     (("--metods", "search"), "unrecognized arguments: --metods (did you mean '--methods'?) search"),
 ])
 def test_a_bad_flag_is_named_before_anything_loads(flags, message, capsys):
