@@ -695,6 +695,12 @@ def test_gather_rows_concatenates_in_rank_order_and_local_rows_undoes_it(group):
     assert torch.equal(dist.local_rows(torch.arange(12.0).reshape(6, 2)), torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
 
 
+def test_gather_objects_and_per_rank_list_every_ranks_object_in_rank_order(group):
+    group(3, 1, peers=[[{"calls": 3}, {"calls": 9}], [{"calls": 3}, {"calls": 9}]])
+    assert dist.gather_objects({"calls": 5}) == [{"calls": 3}, {"calls": 5}, {"calls": 9}]
+    assert dist.per_rank({"calls": 5}) == [{"calls": 3}, {"calls": 5}, {"calls": 9}]
+
+
 def test_masked_whiten_uses_the_mean_and_variance_of_every_rank(group):
     """Rank 1's rows whitened with the statistics of both ranks' masked entries equal the
     one-process whitening of the whole batch, row for row; masked-out entries are 0."""
@@ -720,6 +726,17 @@ def test_masked_whiten_adds_eps_to_the_variance_before_the_square_root(group):
     got = dist.masked_whiten(x, mask)
     want = torch.tensor([[-1e-4, 1e-4, 0.0]], dtype=torch.float64) / (1e-8 + 1e-8) ** 0.5
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_masked_whiten_of_one_masked_entry_or_none_over_every_rank(group):
+    """One masked entry in the whole batch is its own mean: 0, as one process gives. None on any rank:
+    every entry 0 (the count of 0 is taken as 1, not divided by)."""
+    x, mask = torch.tensor([[3.0, 7.0]], dtype=torch.float64), torch.tensor([[1, 0]])  # (1, 2)
+    group(2, 0, peers=[[0.0], [0.0], [0.0]])  # rank 1 holds no masked entry
+    assert torch.equal(dist.masked_whiten(x, mask), torch.zeros(1, 2, dtype=torch.float64))
+    assert torch.equal(masked_whiten(x, mask), torch.zeros(1, 2, dtype=torch.float64))
+    group(2, 0, peers=[[0.0], [0.0], [0.0]])
+    assert torch.equal(dist.masked_whiten(x, torch.zeros_like(mask)), torch.zeros(1, 2, dtype=torch.float64))
 
 
 # ------------------------------------------------ settings
@@ -824,6 +841,19 @@ def test_fsdp_shards_each_decoder_layer_then_the_root(monkeypatch, byte_tokenize
     assert model.searchlite_compute_dtype is None
 
 
+def test_fsdp_offload_pins_host_memory_only_for_a_gpu(monkeypatch, byte_tokenizer):
+    """--ref_offload: the CPU shards are pinned (page-locked, for fast copies to the GPU) on a GPU run only."""
+    from torch.distributed import fsdp
+
+    monkeypatch.setattr(dist, "world", lambda: 2)
+    monkeypatch.setattr(dist, "_mesh", lambda device_type: ("mesh", device_type))
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        calls = []
+        monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append(kw["offload_policy"]))
+        dist.wrap_model(make_tiny_llama(byte_tokenizer, layers=1), "fsdp", torch.device(device), offload=True)
+        assert calls and {policy.pin_memory for policy in calls} == {pinned}
+
+
 # ------------------------------------------------ the process group
 
 
@@ -869,3 +899,5 @@ def test_one_process_helpers_change_nothing():
     assert dist.wrap_model(model, "fsdp", torch.device("cpu")) is model and not dist.is_sharded(model)
     assert dist.full_state_dict(model) is None
     assert dist.per_rank({"calls": 1}) == {"calls": 1}
+    assert dist.gather_objects("mine") == ["mine"] and dist.all_mean(2.5) == 2.5
+    dist.barrier()  # no process group to wait on: torch.distributed's would raise
