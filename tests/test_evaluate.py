@@ -1073,6 +1073,12 @@ def test_error_unknown_method(world, tmp_path):
     (("--topk", "x"), "argument --topk: invalid int value: 'x'"),
     (("--temperature", "-1"), "argument --temperature: must be at least 0 (0 = greedy), got -1.0"),
     (("--threads", "-1"), "argument --threads: must be at least 0, got -1"),  # 0: torch's default
+    (("--topk", "0"), "argument --topk: must be at least 1, got 0"),
+    (("--max_new_tokens", "0"), "argument --max_new_tokens: must be at least 1, got 0"),
+    (("--answer_tokens", "0"), "argument --answer_tokens: must be at least 1, got 0"),
+    (("--max_obs_tokens", "0"), "argument --max_obs_tokens: must be at least 1, got 0"),
+    (("--max_len", "0"), "argument --max_len: must be at least 1, got 0"),
+    (("--judge_max_tokens", "0"), "argument --judge_max_tokens: must be at least 1, got 0"),
     (("--metods", "search"), "unrecognized arguments: --metods (did you mean '--methods'?) search"),
 ])
 def test_a_bad_flag_is_named_before_anything_loads(flags, message, capsys):
