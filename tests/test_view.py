@@ -124,12 +124,15 @@ def test_the_command_names_a_bad_protocol_or_template_and_takes_temperature_0_as
     assert (tmp_path / "zero.html").read_text() == (tmp_path / "greedy.html").read_text()
 
 
-def test_the_command_refuses_no_questions(capsys):
+@pytest.mark.parametrize("flag, value, least", [("--n", "0", 1), ("--topk", "0", 1), ("--max_obs_tokens", "0", 1),
+                                                ("--max_len", "0", 1), ("--max_new_tokens", "0", 1),
+                                                ("--max_turns", "-1", 0)])
+def test_the_command_refuses_counts_below_their_least_by_name(capsys, flag, value, least):
     from searchlite.view import main
 
     with pytest.raises(SystemExit):
-        main(["--n", "0"])
-    assert "argument --n: must be at least 1, got 0" in capsys.readouterr().err
+        main([flag, value])
+    assert f"argument {flag}: must be at least {least}, got {value}" in capsys.readouterr().err
 
 
 def test_the_command_asks_for_a_server_address_as_train_py_does():
