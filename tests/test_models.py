@@ -75,6 +75,12 @@ def test_a_new_critic_values_zero_and_a_saved_one_reloads_its_head(byte_tokenize
     again = Critic.from_pretrained(str(tmp_path / "critic"))
     with torch.no_grad():
         torch.testing.assert_close(again(IDS, attn), values, atol=1e-6, rtol=0)
+    # weights given apart from the module (FSDP2's gathered ones under torchrun) are the ones saved
+    given = {k: v + 1 if k.startswith("value_head.") else v for k, v in critic.state_dict().items()}
+    critic.save_pretrained(tmp_path / "given", state_dict=given)
+    from_given = Critic.from_pretrained(str(tmp_path / "given"))
+    assert torch.equal(from_given.value_head.bias, critic.value_head.bias + 1)
+    assert all(torch.equal(a, b) for a, b in zip(from_given.backbone.parameters(), backbone.parameters(), strict=True))
     half = compute_in(Critic(backbone), "bfloat16")
     assert half(IDS, attn).dtype == torch.float32
 
@@ -95,6 +101,10 @@ def test_warmup_starts_at_one_step_of_the_ramp(byte_tokenizer):
         opt.step()
         sched.step()
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
+    opt, sched = make_optimizer(model.parameters(), 1e-3, 0.0, 0)  # no warm-up (the default): the full rate at once
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3, rel=1e-12)
 
 
 def test_rng_state_round_trips():
@@ -104,6 +114,17 @@ def test_rng_state_round_trips():
     set_rng_state(state)
     b = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_a_gpu_runs_rng_state_resumes_on_a_machine_without_one(monkeypatch):
+    """Its CUDA generators' states are left unset; the others are restored."""
+    torch.manual_seed(9)
+    state = {**rng_state(), "cuda": [torch.zeros(16, dtype=torch.uint8)]}
+    a = torch.rand(3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("set a CUDA RNG state"))
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), a)
 
 
 def test_the_newer_checkpoint_is_resumed_when_both_exist(tmp_path):
