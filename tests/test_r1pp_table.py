@@ -70,6 +70,8 @@ def test_hop_sources_splits_passage_less_hops_by_what_could_be_known(table, worl
     h = table.hop_sources(both, *world)
     assert (h["famous"], h["train"], h["new"]) == (0.0, 1.0, 1.0)
     assert (h["recalled"], h["guessed"]) == (0, 1)
+    h = table.hop_sources(records + [{"id": "q3", "em": 1.0, "docs": []}], *world)
+    assert (h["guessed"], h["guessed_em"], h["recalled"], h["recalled_em"]) == (2, 0.5, 1, 1.0)  # EM 0 and 1: 0.5
     unanswered = [{"id": "q3", "em": 0.0, "docs": [], "answered": 0.0}]  # gave no answer: answered no hop
     h = table.hop_sources(records + unanswered, *world)
     assert (h["new"], h["recalled"], h["guessed"]) == (0.5, 1, 1)  # as without it
