@@ -92,6 +92,17 @@ def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
                                                                       ("other", "searched"): (1, 0.0)}
 
 
+def test_questions_of_the_first_evaluation_are_checked_too(table, world, monkeypatch, tmp_path, capsys):
+    run = make_run(tmp_path)
+    with open(run / "eval" / "step_000000.jsonl", "a") as f:
+        f.write(json.dumps({"id": "0", "em": 0.0, "searches": 1, "docs": []}) + "\n")
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    named = f"{run / 'eval' / 'step_000000.jsonl'}: question '0' is not in"
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_paths_are_taken_as_given_when_they_exist_else_under_the_repo_root(table, monkeypatch, tmp_path):
     (tmp_path / "runs" / "mine").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
@@ -113,6 +124,7 @@ def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, wo
     """A run evaluated on its own --test_data, or a --data folder whose questions carry no hops, ended
     in a KeyError traceback after the first table."""
     run = make_run(tmp_path)
+    (run / "eval" / "step_000001.jsonl").unlink()  # two evaluations: the last one is also the second
     with open(run / "eval" / "step_000002.jsonl", "a") as f:
         f.write(json.dumps({"id": "0", "em": 0.0, "searches": 1, "docs": []}) + "\n")
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
@@ -180,20 +192,25 @@ def test_hop_sources_looks_hops_up_by_passage_id_among_all_retrieved(table, worl
 
 
 def make_run(folder):
-    """Metrics with evaluations at steps 0 and 2 and 3 of 5 rewrites kept; eval/ records for both."""
+    """Metrics with evaluations at steps 0, 1 and 2 and 3 of 5 rewrites kept; eval/ records for each
+    (step 1's, which no table reads, answer everything from its passages)."""
     run = folder / "run"
     (run / "eval").mkdir(parents=True)
     ev0 = {"eval/all": {"em": 0.5, "searches": 1.0}, "eval/1hop": {"em": 0.5, "searches": 0.5},
            "eval/2hop": {"em": 0.5, "searches": 1.5}}
     ev2 = {"eval/all": {"em": 0.5, "searches": 0.75}, "eval/1hop": {"em": 0.0, "searches": 0.5},
            "eval/2hop": {"em": 1.0, "searches": 1.0}}
-    write_jsonl(run / "metrics.jsonl", [{"step": 0, **ev0}, {"step": 1, "mem_kept": 2, "mem_tried": 3},
+    ev1 = {"eval/all": {"em": 1.0, "searches": 2.0}, "eval/1hop": {"em": 1.0, "searches": 1.0},
+           "eval/2hop": {"em": 1.0, "searches": 3.0}}
+    write_jsonl(run / "metrics.jsonl", [{"step": 0, **ev0}, {"step": 1, "mem_kept": 2, "mem_tried": 3, **ev1},
                                         {"step": 2, "mem_kept": 1, "mem_tried": 2, **ev2}])
     write_jsonl(run / "eval" / "step_000000.jsonl", [
         {"id": "q1", "em": 1.0, "searches": 0, "docs": []},
         {"id": "q2", "em": 0.0, "searches": 1, "docs": [{"id": "c"}]},
         {"id": "q3", "em": 0.0, "searches": 1, "docs": [{"id": "b"}]},
         {"id": "q4", "em": 1.0, "searches": 2, "docs": [{"id": "e"}, {"id": "f"}]}])
+    write_jsonl(run / "eval" / "step_000001.jsonl", [
+        {"id": q, "em": 1.0, "searches": 2, "docs": [{"id": d} for d in "abcdef"]} for q in ("q1", "q2", "q3", "q4")])
     write_jsonl(run / "eval" / "step_000002.jsonl", [
         {"id": "q1", "em": 0.0, "searches": 0, "docs": []},
         {"id": "q2", "em": 0.0, "searches": 0, "docs": []},
