@@ -1,6 +1,6 @@
 """searchlite/models.py: trained_logprobs against a naive whole-row reference, the frozen reference
-and critic copies, gradient checkpointing, the warmup, and what a resume reads back (RNG state,
-the newer checkpoint)."""
+and critic copies, gradient checkpointing, the warmup, what a resume reads back (RNG state,
+the newer checkpoint), the device names taken and glibc's thresholds set."""
 
 import random
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from searchlite.models import (Critic, compute_in, find_checkpoint, frozen_copy, make_optimizer, rng_state,
-                               set_rng_state, trained_logprobs)
+from searchlite import models
+from searchlite.config import ConfigError
+from searchlite.models import (Critic, compute_in, find_checkpoint, frozen_copy, make_optimizer, pick_device,
+                               rng_state, set_rng_state, trained_logprobs)
 
 IDS = torch.tensor([[5, 9, 12, 7, 3, 40, 41], [4, 4, 8, 2, 6, 70, 1]])  # (2, 7)
 
@@ -144,3 +146,33 @@ def test_a_frozen_master_weight_copy_stays_frozen_after_it_samples_and_scores(by
     with torch.no_grad():
         trained_logprobs(ref, IDS, torch.ones_like(IDS), torch.ones_like(IDS))
     assert not any(p.requires_grad for p in ref.parameters())
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_pick_device_takes_cpu_always_and_cuda_only_where_torch_sees_a_gpu(monkeypatch, gpu):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto") == torch.device("cuda" if gpu else "cpu")
+    for name in ("cuda", "cuda:1"):
+        if gpu:
+            assert pick_device(name) == torch.device(name)
+        else:
+            with pytest.raises(ConfigError, match=f"^--device {name}: torch .* sees no CUDA GPU here; use --device"):
+                pick_device(name)
+    with pytest.raises(ConfigError, match=r"^--device 'gpu': not one of auto, cpu, cuda, cuda:N$"):
+        pick_device("gpu")
+
+
+def test_reuse_freed_memory_raises_both_glibc_thresholds(monkeypatch):
+    """M_MMAP_THRESHOLD is -3 and M_TRIM_THRESHOLD -1 in glibc's malloc.h; both are set, to 1 GiB."""
+    calls = []
+
+    class LibC:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(models.ctypes, "CDLL", lambda name: LibC())
+    assert models.reuse_freed_memory(torch.device("cpu")) is True
+    assert calls == [(-3, 2**30), (-1, 2**30)]
+    assert models.reuse_freed_memory(torch.device("cuda")) is False and len(calls) == 2
