@@ -209,3 +209,15 @@ def test_random_qwen_suppresses_exactly_the_ids_without_text(gpu_check):
     assert model.generation_config.suppress_tokens == list(range(len(tok), 3000))
     same = gpu_check.random_qwen({**gpu_check.TINY, "vocab_size": len(tok)}, tok, torch.float32, torch.device("cpu"))
     assert same.generation_config.suppress_tokens == []  # a vocabulary the tokenizer's size: nothing to suppress
+
+
+def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
+    """Its model card: 3.09B parameters, 2.77B of them not embeddings (tied: one matrix for both ends)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**gpu_check.QWEN25_3B))
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight.numel()
+    assert (round(total / 1e9, 2), round((total - embedding) / 1e9, 2)) == (3.09, 2.77)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
