@@ -162,6 +162,22 @@ def test_bf16_weights_builds_the_policy_in_dtype(gpu_check, monkeypatch):
     assert built == [(torch.bfloat16, torch.device("cpu"))]
 
 
+@pytest.mark.parametrize("loss, grad_norm", [(math.nan, 1.0), (0.5, math.inf), (0.5, 0.0)])
+def test_an_update_without_a_finite_loss_and_a_gradient_stops_the_check(gpu_check, monkeypatch, loss, grad_norm):
+    """A NaN loss, an infinite gradient or none at all (a broken step) is not reported as a speed."""
+    monkeypatch.setitem(sys.modules, "bm25s", None)
+    monkeypatch.setattr(train, "update", lambda *args, **kw: {"loss": [loss], "grad_norm": [grad_norm]})
+    with pytest.raises(FloatingPointError, match=f"^update: loss {loss}, grad norm {grad_norm}$"):
+        gpu_check.main(["--tiny"])
+
+
+def test_an_update_with_a_finite_loss_and_any_gradient_passes(gpu_check, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bm25s", None)
+    monkeypatch.setattr(train, "update", lambda *args, **kw: {"loss": [0.5], "grad_norm": [0.25]})
+    assert gpu_check.main(["--tiny"])["loss"] == 0.5
+    assert "update: loss 0.5000, grad norm 0.250," in capsys.readouterr().out
+
+
 def test_full_run_defaults_are_those_its_help_names(gpu_check, capsys):
     args = gpu_check.parse([])
     assert (args.device, args.dtype, args.bf16_weights, args.seed) == ("", "bfloat16", False, 0)
