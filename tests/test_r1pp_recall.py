@@ -1,6 +1,7 @@
 """bench/r1pp_recall.py: which training questions a run drew, the control set, and the tally."""
 
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,7 +253,8 @@ def test_the_control_is_a_shuffled_sample_not_the_first_never_drawn(recall):
 def test_load_runs_refuses_runs_that_drew_other_questions(recall, tmp_path, field, value):
     """Runs with another seed, batch_size or training set drew other questions: an error naming the run."""
     a, b = fake_run(tmp_path / "a", step=6), fake_run(tmp_path / "b", step=6, **{field: value})
-    with pytest.raises(SystemExit, match="must have drawn the same questions"):
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(b)}: seed, batch_size, checkpoint step or train_data "
+                                         f"differ from {re.escape(a)}; runs compared here must have drawn the same"):
         recall.load_runs([a, b])
 
 
