@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from conftest import load_bench
+from conftest import load_bench, make_tiny_llama
 
 from searchlite.data import QA
 
@@ -147,6 +147,33 @@ def test_update_bench_defaults_reach_the_toy_config_rollout_and_both_loops(stubb
     assert len(questions) == 80 and len(set(questions)) == 16 and questions[:6] == ["q0?"] * 5 + ["q1?"]
     assert seen["score_kw"] == [{"temperature": 0.7}]  # old log-probs at the sampling temperature, as train.py
     assert seen["bare_sizes"] == [10] * 4  # the bare loop in train.update's micro-batches of 10
+
+
+def test_update_bench_bare_step_takes_the_gradient_of_the_token_mean_nll(byte_tokenizer):
+    """Micro-batches of 2 rows, each cut to its width, sum to the gradient of -(mean log-prob of the
+    policy tokens) over the whole batch, as one pass over whole rows gives it."""
+    bench = load_bench("update_bench")
+    model = make_tiny_llama(byte_tokenizer, seed=4)
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 6, 4]  # real tokens a row; the rest padding
+    attention_mask = torch.tensor([[1] * k + [0] * (9 - k) for k in lengths])  # (3, 9)
+    loss_mask = attention_mask * (torch.rand(3, 9, generator=g) < 0.6)  # (3, 9)
+    loss_mask[:, 0], loss_mask[0, 8] = 0, 1
+    ro = Batch(input_ids=torch.randint(3, 200, (3, 9), generator=g), attention_mask=attention_mask,
+               loss_mask=loss_mask)
+    logits = model(input_ids=ro.input_ids, attention_mask=attention_mask).logits  # (3, 9, V)
+    picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ro.input_ids[:, 1:, None])[..., 0]  # (3, 8)
+    (-(picked * loss_mask[:, 1:]).sum() / loss_mask.sum()).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got = {}
+    opt = SimpleNamespace(step=lambda: got.update({n: p.grad.clone() for n, p in model.named_parameters()}),
+                          zero_grad=lambda set_to_none: model.zero_grad(set_to_none=set_to_none))
+    bench.bare_step(model, opt, ro, 2)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters())  # zeroed after the step
 
 
 def test_update_bench_bare_loop_groups_micro_batches_as_update(monkeypatch):
