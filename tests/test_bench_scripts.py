@@ -307,7 +307,9 @@ def test_sampler_bench_timed_rollout_counts_policy_tokens_and_turns(monkeypatch)
     sampler_bench = load_bench("sampler_bench")
     kws = []
     monkeypatch.setattr("searchlite.rollout.rollout", lambda *args, **kw: kws.append(kw) or batch())
-    monkeypatch.setattr(sampler_bench, "time", SimpleNamespace(perf_counter=clock([0, 4]), process_time=clock([0, 1])))
+    # clocks that do not start at 0: the time taken is a difference of two readings
+    monkeypatch.setattr(sampler_bench, "time", SimpleNamespace(perf_counter=clock([100, 4]),
+                                                               process_time=clock([50, 1])))
     assert sampler_bench.timed_rollout(None, None, None, None, ["q"] * 3) == (29, 4.0, 1.0, pytest.approx(5 / 3))
     assert kws == [{"max_turns": 4, "topk": 3, "max_obs_tokens": 500}]
 
@@ -315,7 +317,9 @@ def test_sampler_bench_timed_rollout_counts_policy_tokens_and_turns(monkeypatch)
 def test_sampler_bench_timed_generate_counts_sampled_tokens_at_max_new(monkeypatch):
     sampler_bench = load_bench("sampler_bench")
     sampler = SimpleNamespace(generate=lambda prompts, max_new_tokens=64: [[0] * max_new_tokens for _ in prompts])
-    monkeypatch.setattr(sampler_bench, "time", SimpleNamespace(perf_counter=clock([0, 4]), process_time=clock([0, 1])))
+    # clocks that do not start at 0: the time taken is a difference of two readings
+    monkeypatch.setattr(sampler_bench, "time", SimpleNamespace(perf_counter=clock([100, 4]),
+                                                               process_time=clock([50, 1])))
     assert sampler_bench.timed_generate(sampler, [[1], [2]], 100) == (200, 4.0, 1.0)
 
 
