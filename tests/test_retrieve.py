@@ -358,10 +358,10 @@ def test_serve_takes_a_topk_at_either_end_of_its_range(monkeypatch, topk):
     ("build", "--max_length", "0", "must be at least 1"), ("serve", "--port", "0", "must be at least 1"),
     ("serve", "--port", "65536", "must be at most 65535"), ("serve", "--max_queries", "0", "must be at least 1"),
     ("serve", "--max_query_chars", "0", "must be at least 1")])
-def test_int_flags_refuse_a_value_out_of_range_by_name(monkeypatch, capsys, cmd, flag, value, why):
+def test_int_flags_refuse_a_value_out_of_range_by_name(monkeypatch, capsys, tmp_path, cmd, flag, value, why):
     monkeypatch.setattr(retrieve, "make", _never_load)
     with pytest.raises(SystemExit) as stopped:
-        retrieve.main([cmd, flag, value, *(["--out", "never"] if cmd == "build" else [])])
+        retrieve.main([cmd, flag, value, *(["--out", str(tmp_path / "never")] if cmd == "build" else [])])
     assert stopped.value.code == 2 and f"argument {flag}: {why}, got {value}" in capsys.readouterr().err
 
 

@@ -127,11 +127,11 @@ def test_the_command_names_a_bad_protocol_or_template_and_takes_temperature_0_as
 @pytest.mark.parametrize("flag, value, least", [("--n", "0", 1), ("--topk", "0", 1), ("--max_obs_tokens", "0", 1),
                                                 ("--max_len", "0", 1), ("--max_new_tokens", "0", 1),
                                                 ("--max_turns", "-1", 0)])
-def test_the_command_refuses_counts_below_their_least_by_name(capsys, flag, value, least):
+def test_the_command_refuses_counts_below_their_least_by_name(capsys, tmp_path, flag, value, least):
     from searchlite.view import main
 
     with pytest.raises(SystemExit):
-        main([flag, value])
+        main([flag, value, "--out", str(tmp_path / "never.html")])
     assert f"argument {flag}: must be at least {least}, got {value}" in capsys.readouterr().err
 
 
