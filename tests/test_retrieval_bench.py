@@ -139,13 +139,15 @@ def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench, tmp_path)
     assert str(e.value).endswith("".join(f"line {i}\n" for i in range(10, 30)))
 
 
-def test_retrieval_bench_cpu_seconds_are_user_plus_system(retrieval_bench, monkeypatch, tmp_path):
+def test_retrieval_bench_cpu_seconds_are_user_plus_system_and_wall_seconds_the_run(retrieval_bench, monkeypatch,
+                                                                                  tmp_path):
     wait4 = os.wait4
     usage = SimpleNamespace(ru_utime=1.25, ru_stime=0.5)
     monkeypatch.setattr(os, "wait4", lambda pid, opts: (*wait4(pid, opts)[:2], usage))
+    monkeypatch.setattr(retrieval_bench, "time", SimpleNamespace(perf_counter=iter([1000.0, 1002.5]).__next__))
     script = tmp_path / "ok.py"
     script.write_text("")
-    assert retrieval_bench.run_measured([sys.executable, str(script)])[1] == 1.75
+    assert retrieval_bench.run_measured([sys.executable, str(script)])[:2] == (2.5, 1.75)
 
 
 def test_retrieval_bench_disk_mib_counts_files_in_subfolders(retrieval_bench, tmp_path):
@@ -163,10 +165,11 @@ def test_retrieval_bench_corrupt_index_settings_are_not_reused(retrieval_bench, 
 
 
 class Clock:
-    """Stands in for the `time` module: `now` moves only when a fake advances it."""
+    """Stands in for the `time` module: `now` moves only when a fake advances it. It does not start at 0,
+    where a sum of two readings would pass for the time between them."""
 
     def __init__(self):
-        self.now, self.cpu = 0.0, 0.0
+        self.now, self.cpu = 1000.0, 100.0
 
     def perf_counter(self):
         return self.now
@@ -358,6 +361,12 @@ def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retr
     monkeypatch.setattr(retrieval_bench, "write_synthetic", lambda n, out: synthetic)
     measured, _ = retrieval_main("--synthetic", "10", "--qa", "qa.jsonl", "--no_serve")
     assert measured[1][0][5] == str(tmp_path / "qa.jsonl")
+
+
+def test_retrieval_bench_takes_one_single_query_and_batches_of_one(retrieval_main):
+    measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--single", "1", "--batch", "1",
+                                 "--no_serve")
+    assert measured[1][0][-4:] == ["--single", "1", "--batch", "1"]
 
 
 @pytest.mark.parametrize("argv, message", [
