@@ -15,6 +15,7 @@ import transformers
 from conftest import load_bench, make_tiny_llama
 
 from searchlite.data import QA
+from searchlite.losses import token_logprobs
 
 
 def clock(steps):
@@ -162,8 +163,7 @@ def test_update_bench_bare_step_takes_the_gradient_of_the_token_mean_nll(byte_to
     ro = Batch(input_ids=torch.randint(3, 200, (3, 9), generator=g), attention_mask=attention_mask,
                loss_mask=loss_mask)
     logits = model(input_ids=ro.input_ids, attention_mask=attention_mask).logits  # (3, 9, V)
-    picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ro.input_ids[:, 1:, None])[..., 0]  # (3, 8)
-    (-(picked * loss_mask[:, 1:]).sum() / loss_mask.sum()).backward()
+    (-(token_logprobs(logits, ro.input_ids) * loss_mask).sum() / loss_mask.sum()).backward()  # whole rows
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     got = {}
