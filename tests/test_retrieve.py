@@ -344,15 +344,6 @@ def test_serve_on_a_free_port_passes_its_address_and_default_bounds(monkeypatch,
     assert capsys.readouterr().out.endswith(f"; serving http://localhost:{port}/retrieve (schema at /docs)\n")
 
 
-@pytest.mark.parametrize("topk", [1, 100])
-def test_serve_takes_a_topk_at_either_end_of_its_range(monkeypatch, topk):
-    """--topk 1 and 100, the fewest and the most a request may ask for, are valid defaults."""
-    seen = _record_serve(monkeypatch)
-    monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)
-    retrieve.main(["serve", "--topk", str(topk)])
-    assert seen["default_topk"] == topk
-
-
 @pytest.mark.parametrize("cmd, flag, value, why", [
     ("build", "--shard_size", "0", "must be at least 1"), ("build", "--batch_size", "0", "must be at least 1"),
     ("build", "--max_length", "0", "must be at least 1"), ("serve", "--port", "0", "must be at least 1"),
@@ -365,13 +356,15 @@ def test_int_flags_refuse_a_value_out_of_range_by_name(monkeypatch, capsys, tmp_
     assert stopped.value.code == 2 and f"argument {flag}: {why}, got {value}" in capsys.readouterr().err
 
 
-def test_serve_takes_the_least_bounds_and_the_last_port(monkeypatch):
+def test_serve_takes_each_bound_at_its_ends(monkeypatch):
+    """--topk 1 and 100 (the fewest and the most a request may ask for), --port 1 and 65535, and one
+    query of one character a request."""
     seen = _record_serve(monkeypatch)
     monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)
-    retrieve.main(["serve", "--port", "65535", "--max_queries", "1", "--max_query_chars", "1"])
-    assert (seen["port"], seen["max_queries"], seen["max_query_chars"]) == (65535, 1, 1)
-    retrieve.main(["serve", "--port", "1"])
-    assert seen["port"] == 1
+    retrieve.main(["serve", "--topk", "1", "--port", "65535", "--max_queries", "1", "--max_query_chars", "1"])
+    assert (seen["default_topk"], seen["port"], seen["max_queries"], seen["max_query_chars"]) == (1, 65535, 1, 1)
+    retrieve.main(["serve", "--topk", "100", "--port", "1"])
+    assert (seen["default_topk"], seen["port"]) == (100, 1)
 
 
 def test_serve_takes_a_port_whose_last_server_just_stopped(monkeypatch):
