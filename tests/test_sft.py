@@ -88,6 +88,21 @@ def test_weight_decay_reaches_the_optimizer(byte_tokenizer):
     assert same(trained[0], trained[1]) and not same(trained[0], trained[2])
 
 
+def test_a_model_handed_over_in_eval_mode_trains_in_training_mode(byte_tokenizer):
+    """from_pretrained and sampling leave a model in eval mode, where transformers skips the
+    recompute of --grad_checkpointing: sft switches it to training mode, so each layer runs twice a
+    step (the forward, then the recompute in the backward)."""
+    model = make_tiny_llama(byte_tokenizer)
+    model.gradient_checkpointing_enable()
+    model.eval()
+    layer, seen = model.model.layers[0], []
+    forward = layer.forward
+    layer.forward = lambda *a, **kw: seen.append(layer.training) or forward(*a, **kw)
+    ids, mask, attention = rows(byte_tokenizer, n=4)
+    sft(model, ids, mask, attention_mask=attention, lr=1e-2, batch_size=4, progress=False)  # one step
+    assert seen == [True, True] and model.training
+
+
 def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_tokenizer, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
