@@ -108,9 +108,14 @@ def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_
 
     import searchlite.sft
 
+    def dropping(model):  # attention dropout draws from torch's RNG, which the saved state carries on
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.2
+        return model
+
     ids, mask, attention = rows(byte_tokenizer, n=10)
     kw = dict(attention_mask=attention, epochs=2, lr=1e-2, batch_size=3, warmup=2, seed=5, progress=False)
-    whole = make_tiny_llama(byte_tokenizer)
+    whole = dropping(make_tiny_llama(byte_tokenizer))
     expected = sft(whole, ids, mask, **kw)  # 2 epochs x 4 batches
     assert len(expected) == 8
     stop, calls = SimpleNamespace(requested=False), []  # a GracefulStop whose Ctrl-C comes during step 6
@@ -122,10 +127,10 @@ def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_
 
     monkeypatch.setattr(searchlite.sft, "sft_loss", loss_and_ctrl_c)
     state = tmp_path / "sft_state.pt"
-    part = make_tiny_llama(byte_tokenizer)
+    part = dropping(make_tiny_llama(byte_tokenizer))
     assert sft(part, ids, mask, state_path=state, stop=stop, **kw) == expected[:6]  # step 6 finishes, then stops
     calls.clear()
-    resumed = make_tiny_llama(byte_tokenizer)  # a new process: the starting weights, then the saved state
+    resumed = dropping(make_tiny_llama(byte_tokenizer))  # a new process: the starting weights, then the saved state
     assert sft(resumed, ids, mask, state_path=state, **kw) == expected and len(calls) == 2  # steps 7 and 8 only
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
 
