@@ -304,7 +304,8 @@ def retrieval_main(retrieval_bench, monkeypatch, tmp_path):
 
     def run_measured(cmd, quiet=True):
         measured.append((cmd, quiet))
-        return (0.1, 0.2, 0.75, "a library's notice\n" + json.dumps(SEARCH) + "\n") if "--_search" in cmd \
+        notices = "a library's notice\nanother\n"  # the child's figures are its last line
+        return (0.1, 0.2, 0.75, notices + json.dumps(SEARCH) + "\n") if "--_search" in cmd \
             else (12.34, 20.5, 1.5, "")
 
     def serve_phase(index, qa, port):
@@ -322,7 +323,11 @@ def retrieval_main(retrieval_bench, monkeypatch, tmp_path):
     return main
 
 
-def test_retrieval_bench_defaults_and_printed_figures(retrieval_bench, retrieval_main, tmp_path, capsys):
+def test_retrieval_bench_defaults_and_printed_figures(retrieval_bench, retrieval_main, tmp_path, capsys,
+                                                     monkeypatch):
+    with open(tmp_path / "wiki.jsonl", "a") as f:
+        f.write(" " * (3 * 2**20 - f.tell()))  # 3 MiB
+    monkeypatch.setattr(retrieval_bench, "peak_rss_bytes", lambda: 5 * 2**29)  # 2.5 GiB
     measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--out", "out")
     folder, qa = str(tmp_path / "out" / "wiki-bm25"), str(tmp_path / "qa.jsonl")
     assert measured == [
@@ -332,6 +337,8 @@ def test_retrieval_bench_defaults_and_printed_figures(retrieval_bench, retrieval
           "--batch", "64"], True)]
     assert served == [(folder, qa, 8731)]
     out = capsys.readouterr().out
+    assert f"corpus {tmp_path / 'wiki.jsonl'} (3.0 MiB); questions {qa}; peak RSS of the bench process itself " \
+           "2.50 GiB\n" in out
     assert "[bm25] build 12.3s wall (20.5 CPU s), peak RSS 1.50 GiB, index on disk 0.0 MiB\n" in out
     assert ("[bm25] search: load 1.5s; batches of 64 8.00x the queries/s of one at a time (400.0 vs 50.0 q/s; "
             "CPU ms/query 2.50 vs 20.00), peak RSS 0.75 GiB; answer recall@3 0.600 over 5 questions "
@@ -356,11 +363,20 @@ def test_retrieval_bench_reuse_builds_when_no_index_is_there(retrieval_main, cap
     assert "build" in measured[0][0] and "not reusing" in capsys.readouterr().out
 
 
-def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retrieval_main, monkeypatch, tmp_path):
+def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retrieval_main, monkeypatch, tmp_path,
+                                                           capsys):
     synthetic = (tmp_path / "wiki.jsonl", tmp_path / "s.jsonl")
-    monkeypatch.setattr(retrieval_bench, "write_synthetic", lambda n, out: synthetic)
+
+    def write(n, out):
+        with open(synthetic[0], "a") as f:
+            f.write(" " * (3 * 2**19 - f.tell()))  # 1.5 MiB
+        return synthetic
+
+    monkeypatch.setattr(retrieval_bench, "write_synthetic", write)
+    monkeypatch.setattr(retrieval_bench, "time", SimpleNamespace(perf_counter=iter([100.0, 102.4]).__next__))
     measured, _ = retrieval_main("--synthetic", "10", "--qa", "qa.jsonl", "--no_serve")
     assert measured[1][0][5] == str(tmp_path / "qa.jsonl")
+    assert f"synthetic corpus {synthetic[0]}: 10 passages, 1.5 MiB (2s)\n" in capsys.readouterr().out
 
 
 def test_retrieval_bench_takes_one_single_query_and_batches_of_one(retrieval_main):
