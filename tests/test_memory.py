@@ -119,6 +119,10 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
 
     merge_cli(["merge", str(policy_dir), "--out", str(tmp_path / "merged"), "--dtype", "float32"])
     assert torch.equal(logprobs(load_policy(str(tmp_path / "merged"))), logprobs(merged))
+    from transformers import AutoTokenizer  # and the tokenizer beside them: a folder train.py and evaluate.py load
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").get_vocab() == \
+        AutoTokenizer.from_pretrained(policy_dir).get_vocab()
     with pytest.raises(SystemExit, match=f"{tiny_model} holds full weights, not a LoRA adapter"):
         merge_cli(["merge", tiny_model, "--out", str(tmp_path / "not")])
     with pytest.raises(ConfigError, match="is a LoRA adapter; to train a new adapter on it, merge it first"):
@@ -158,6 +162,47 @@ def test_adamw8bit_step_changes_weights_with_8bit_states(tiny_llama):
     (-token_logprobs(tiny_llama(input_ids=IDS).logits, IDS).mean()).backward()
     plain.step()
     assert optimizer_state_bytes(opt) < 0.4 * optimizer_state_bytes(plain)
+
+
+@pytest.mark.parametrize("step, message", [
+    ("raise", r"^bitsandbytes 0\.1 cannot run AdamW8bit on cpu: no cpu kernel\. Install a release with a cpu backend "
+              r"\(pip install -U bitsandbytes\) or use --optimizer adamw$"),
+    ("still", r"^bitsandbytes 0\.1: an AdamW8bit step on cpu left the weights unchanged; use --optimizer adamw$"),
+    ("moves", None)])
+def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(tiny_llama, monkeypatch, step, message):
+    """Older bitsandbytes releases have no CPU kernels: one trial step says so (its error's first
+    line) before any model trains, as does a step that moves nothing. A trial that passes is made
+    once a device; one that failed, again at each call."""
+    import types
+
+    import searchlite.memory as memory
+
+    class AdamW8bit:
+        def __init__(self, params, lr, weight_decay=0.0):
+            self.params = params
+
+        def step(self):
+            trials.append(len(self.params[0]))
+            if step == "raise":
+                raise RuntimeError("no cpu kernel\nthe traceback's details")
+            if step == "moves":
+                self.params[0].data += 1
+
+    trials = []
+    fake = types.SimpleNamespace(__version__="0.1", optim=types.SimpleNamespace(AdamW8bit=AdamW8bit))
+    monkeypatch.setattr(memory, "_bitsandbytes", lambda: fake)
+    memory._check_8bit_runs.cache_clear()  # a trial of the real one, earlier in this process, is remembered
+    try:
+        for _ in range(2):
+            if message is None:
+                assert isinstance(make_adamw(tiny_llama.parameters(), "adamw8bit", lr=1e-3, weight_decay=0.0),
+                                  AdamW8bit)
+                continue
+            with pytest.raises(RuntimeError, match=message):
+                make_adamw(tiny_llama.parameters(), "adamw8bit", lr=1e-3, weight_decay=0.0)
+    finally:
+        memory._check_8bit_runs.cache_clear()
+    assert trials == ([4096] if message is None else [4096, 4096])
 
 
 def test_adamw8bit_state_round_trips(tiny_llama, byte_tokenizer):
