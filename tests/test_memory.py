@@ -168,6 +168,7 @@ def test_adamw8bit_step_changes_weights_with_8bit_states(tiny_llama):
     ("raise", r"^bitsandbytes 0\.1 cannot run AdamW8bit on cpu: no cpu kernel\. Install a release with a cpu backend "
               r"\(pip install -U bitsandbytes\) or use --optimizer adamw$"),
     ("still", r"^bitsandbytes 0\.1: an AdamW8bit step on cpu left the weights unchanged; use --optimizer adamw$"),
+    ("silent", r"^bitsandbytes 0\.1 cannot run AdamW8bit on cpu: RuntimeError\. Install a release with a cpu "),
     ("moves", None)])
 def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(tiny_llama, monkeypatch, step, message):
     """Older bitsandbytes releases have no CPU kernels: one trial step says so (its error's first
@@ -185,6 +186,8 @@ def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(ti
             trials.append(len(self.params[0]))
             if step == "raise":
                 raise RuntimeError("no cpu kernel\nthe traceback's details")
+            if step == "silent":  # an error with no message: its type is named
+                raise RuntimeError()
             if step == "moves":
                 self.params[0].data += 1
 
@@ -623,6 +626,25 @@ def test_merging_onto_a_given_base_uses_that_base_in_the_dtype_asked(tmp_path, b
         torch.testing.assert_close(merged(input_ids=IDS).logits, lora(input_ids=IDS).logits, atol=1e-5, rtol=0)
     merged = load_merged(folder, dtype=torch.bfloat16, base=str(tmp_path / "base"))
     assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+
+
+def test_an_adapter_whose_base_model_is_gone_names_it_and_how_to_pass_another(tmp_path, byte_tokenizer):
+    """The base an adapter names has moved: load_merged says which, and `memory merge` gives the same
+    message as a one-line error, not a traceback."""
+    from searchlite.memory import main as merge_cli
+
+    folder, _ = saved_adapter(tmp_path, byte_tokenizer)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    message = (re.escape(f"{folder} is a LoRA adapter whose base model '{tmp_path / 'moved-away'}' cannot be loaded (")
+               + ".+" + re.escape(f"); pass the base with `python -m searchlite.memory merge {folder} --base PATH "
+                                  "--out DIR`") + "$")
+    with pytest.raises(OSError, match="^" + message):
+        load_merged(folder)
+    with pytest.raises(SystemExit, match="^error: " + message):
+        merge_cli(["merge", str(folder), "--out", str(tmp_path / "merged")])
+    assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.parametrize("saved, rank", [("full", 4), ("adapter", 0)])
