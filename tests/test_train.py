@@ -331,6 +331,21 @@ def test_a_signal_that_reached_another_rank_alone_stops_this_one_as_stopped(tiny
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
 
 
+def test_resume_with_no_checkpoint_says_it_starts_fresh_and_where_a_set_aside_run_is(tiny_model, tmp_path, capsys):
+    """--resume in a folder with no checkpoint trains from the start and says so, naming
+    checkpoint.previous when a fresh start set a run aside there; a run without --resume says nothing."""
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--resume"]))
+    assert f"--resume: no checkpoint in {out}, starting fresh\n" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    train.main(args(tiny_model, out, "grpo", steps=1))  # a forgotten --resume: the run goes to checkpoint.previous
+    assert "--resume:" not in capsys.readouterr().out and (out / "checkpoint.previous").is_dir()
+    shutil.rmtree(out / "checkpoint")
+    train.main(args(tiny_model, out, "grpo", steps=1, extra=["--resume"]))
+    assert (f"--resume: no checkpoint in {out}, starting fresh (checkpoint.previous holds the run a fresh start set "
+            "aside: to continue it, rename it and its *.previous files back)\n") in capsys.readouterr().out
+
+
 def test_ctrl_c_in_step_0s_evaluation_leaves_an_earlier_run_in_place(tiny_model, tmp_path, monkeypatch, capsys):
     """A fresh run in a used folder (a forgotten --resume) set the earlier run aside before step 0's
     held-out evaluation, minutes on a real model; a Ctrl-C there left checkpoint.previous and no
