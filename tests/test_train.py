@@ -620,19 +620,23 @@ def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_
     assert find_checkpoint(out) is None and (out / "checkpoint.previous" / "trainer.pt").exists()
 
 
-def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo, poisoned, name", [("grpo", "policy_loss", "loss"), ("ppo", "value_loss", "value_loss"),
+                                                  ("grpo", "compute_rewards", "reward")])
+def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch, algo, poisoned, name):
+    """A NaN in the policy loss, the critic's loss or the reward stops the run at that step, naming
+    it, and the checkpoint of the step before stays as it was."""
     out = tmp_path / "nan"
-    train.main(args(tiny_model, out, "grpo", steps=1))
+    train.main(args(tiny_model, out, algo, steps=1))
     saved = (out / "checkpoint" / "policy" / "model.safetensors").read_bytes()
-    real = train.policy_loss
+    real = getattr(train, poisoned)
 
-    def poisoned(*a, **k):
-        loss, clip = real(*a, **k)
-        return loss * float("nan"), clip
+    def poison(*a, **k):
+        got = real(*a, **k)
+        return got * float("nan") if name == "reward" else (got[0] * float("nan"), *got[1:])
 
-    monkeypatch.setattr(train, "policy_loss", poisoned)
-    with pytest.raises(FloatingPointError, match=r"step 2: loss is not finite"):
-        train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
+    monkeypatch.setattr(train, poisoned, poison)
+    with pytest.raises(FloatingPointError, match=rf"^step 2: {name} is not finite \(\[nan, "):
+        train.main(args(tiny_model, out, algo, steps=2, extra=["--resume"]))
     assert (out / "checkpoint" / "policy" / "model.safetensors").read_bytes() == saved
 
 
