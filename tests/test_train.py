@@ -256,6 +256,28 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), model
 
 
+def test_scoring_passes_run_in_eval_mode_and_the_update_in_training_mode(tiny_model, tmp_path, monkeypatch,
+                                                                        varied_reward):
+    """Each step scores old log-probs, reference log-probs and values with dropout off (eval mode),
+    then updates policy and critic in training mode, where transformers' --grad_checkpointing
+    recomputes; both switches happen every step, as evaluation and sampling leave eval mode."""
+    modes = []
+    score, step = train.score_tokens, train.update
+
+    def scored(model, *a, values=False, **k):
+        modes.append(("values" if values else "logp", model.training))
+        return score(model, *a, values=values, **k)
+
+    def update(cfg, step_, policy, opt, ro, old_logp, ref_logp, adv, device, critic, *a):
+        modes.append(("update", policy.training, critic.training))
+        return step(cfg, step_, policy, opt, ro, old_logp, ref_logp, adv, device, critic, *a)
+
+    monkeypatch.setattr(train, "score_tokens", scored)
+    monkeypatch.setattr(train, "update", update)
+    train.main(args(tiny_model, tmp_path / "run", "ppo", steps=2))
+    assert modes == [("logp", False), ("logp", False), ("values", False), ("update", True, True)] * 2
+
+
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
     """Ctrl-C during step 2 of a run that saves only at its end (--save_every 0): the step
