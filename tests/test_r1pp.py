@@ -524,7 +524,7 @@ def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_token
 # ---------------------------------------------------------------------------- end to end
 
 
-def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatch):
+def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatch, capsys):
     from searchlite import sft
 
     out = tmp_path / "s1"
@@ -540,6 +540,13 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatc
     r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), *small])
     counts = json.loads((out / "stage1.json").read_text())
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
+    printed = capsys.readouterr().out.splitlines()  # the counts as they come, and where the model went
+    sampling = {k: v for k, v in counts.items() if k not in ("t_sample", "rewrite_demos") and not k.startswith(
+        ("sft_", "seconds"))}
+    assert "rejection sampling: " + ", ".join(f"{k} {v}" for k, v in sampling.items()) in printed
+    assert f"rewrite demonstrations: {counts['rewrite_demos']}" in printed and counts["t_sample"] > 0
+    assert (f"stage 1: sft loss {counts['sft_loss']:.4f} over {counts['sft_steps']} steps; wrote {out / 'model'} "
+            f"in {counts['seconds']:.0f}s") == printed[-1]
     assert 0 < counts["rewrite_demos"] <= min(2, counts["kept"] - counts["kept_internal"])
     rows = counts["kept"] + counts["rewrite_demos"]
     assert counts["sft_steps"] == 2 * -(-rows // 4)  # --sft_epochs 2 of --sft_batch_size 4
@@ -705,7 +712,14 @@ def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
     assert listed == {f"--{name}" for name in r1pp.STAGE1_FIELDS} and "--lr" not in listed
     r1pp.main(["--help"])  # the module's own help: on stdout, and no error exit
-    assert capsys.readouterr().out.startswith("usage: python -m searchlite.r1pp stage1")
+    assert capsys.readouterr().out == r1pp.USAGE + "\n"
+    with pytest.raises(SystemExit) as bare:  # no command: the usage, as an error
+        r1pp.main([])
+    assert bare.value.code == r1pp.USAGE and r1pp.USAGE.startswith("usage: python -m searchlite.r1pp stage1")
+    with pytest.raises(SystemExit) as other:  # stage 2 is train.py's
+        r1pp.main(["stage2", "--preset", "toy-r1pp"])
+    assert other.value.code == ("error: unknown command 'stage2'; this module runs stage 1, stage 2 is "
+                                f"`python train.py --preset toy-r1pp`\n\n{r1pp.USAGE}")
 
 
 def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
