@@ -107,6 +107,17 @@ def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2,
     return model
 
 
+def dropout_copy(model: str, folder) -> str:
+    """A copy in `folder` (a Path) of the saved model `model` whose attention drops weights out in training
+    (p = 0.2): with it, a run that does not seed or restore torch's RNG ends with other weights."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.2}))
+    return str(folder)
+
+
 def give_lora_an_effect(model):
     """`model` (a peft LoRA model) with random lora_B weights: peft starts them at zero, where the
     adapter changes nothing."""

@@ -589,12 +589,14 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatc
 
 def test_stage1_stopped_during_sft_resumes_to_the_same_model(tiny_model, tmp_path, monkeypatch, capsys):
     """Ctrl-C during SFT step 2: the step finishes, its state is saved, stage 1 stops; --resume
-    takes the SFT from step 3 and writes the model an uninterrupted stage 1 writes."""
+    takes the SFT from step 3 and writes the model an uninterrupted stage 1 writes. The model
+    drops attention weights out, so each stage 1 must seed torch's RNG and the resume restore it."""
     import searchlite.sft
-    from conftest import CtrlC
+    from conftest import CtrlC, dropout_copy
     from safetensors.torch import load_file
 
-    flags = ["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--sft_questions", "6", "--group", "2",
+    model = dropout_copy(tiny_model, tmp_path / "dropout-model")
+    flags = ["stage1", "--preset", "toy-r1pp-sft", "--model", model, "--sft_questions", "6", "--group", "2",
              "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "0", "--sft_epochs", "2"]
     r1pp.main([*flags, "--out_dir", str(tmp_path / "whole")])
     ctrl_c = CtrlC(monkeypatch, searchlite.sft, "sft_loss", at=2)  # during SFT step 2

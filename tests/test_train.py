@@ -235,14 +235,13 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
     ends with the same policy and critic. Both learning rates are still warming up when it stops
     (3 and 6 steps), so each scheduler's state must come back; the model drops attention weights
     out in training, so torch's RNG state must come back too."""
-    full, part, model = tmp_path / "full", tmp_path / "part", tmp_path / "dropout-model"
-    shutil.copytree(tiny_model, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.2}))
+    from conftest import dropout_copy
+
+    full, part, model = tmp_path / "full", tmp_path / "part", dropout_copy(tiny_model, tmp_path / "dropout-model")
     warm = ["--warmup_steps", "3", "--critic_warmup_steps", "6", "--critic_lr", "1e-2"]
-    train.main(args(str(model), full, "ppo", steps=4, extra=warm))
-    train.main(args(str(model), part, "ppo", steps=2, extra=warm))
-    train.main(args(str(model), part, "ppo", steps=4, extra=[*warm, "--resume"]))
+    train.main(args(model, full, "ppo", steps=4, extra=warm))
+    train.main(args(model, part, "ppo", steps=2, extra=warm))
+    train.main(args(model, part, "ppo", steps=4, extra=[*warm, "--resume"]))
     # wall times differ; the part run also evaluated when it stopped at step 2
     keep = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "t_rollout", "t_push") and not k.startswith("eval/")}  # noqa: E731
     a, b = metrics(full), metrics(part)
