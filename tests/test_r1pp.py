@@ -198,6 +198,8 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
 
     both = r1pp.join(kept, demos, tok)  # the SFT data: the kept rows, then the demonstrations, unchanged
     assert len(both) == 3 and both.answers == ["paris"] * 3
+    assert both.docs == [kept.docs[0], kept.docs[1], demos.docs[0]] and both.docs[1]  # the search's passages too
+    assert both.searches.tolist() == [*kept.searches.tolist(), 0] and both.turns.tolist() == [*kept.turns.tolist(), 1]
     for row, (src, i) in enumerate([(kept, 0), (kept, 1), (demos, 0)]):
         n_tok = int(src.attention_mask[i].sum())
         assert int(both.attention_mask[row].sum()) == n_tok
