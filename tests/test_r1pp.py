@@ -708,6 +708,17 @@ def test_stage1_reads_its_data_before_loading_the_model(tiny_model, tmp_path, mo
                    "--train_data", str(data)])
 
 
+def test_stage1_with_a_vllm_that_does_not_import_is_one_line_and_changes_no_file(tiny_model, tmp_path, broken_vllm):
+    """Stage 1 sampling with the model through vLLM, installed but failing to import: one line, as
+    train.py gives, and the out_dir untouched."""
+    from conftest import BROKEN_VLLM
+
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {BROKEN_VLLM}") + "$"):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path / "s1"),
+                   "--cold_start_sampler", "policy", "--sft_rewrites", "0", "--sampler", "vllm"])
+    assert not (tmp_path / "s1").exists()
+
+
 def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
     with pytest.raises(SystemExit, match=r"does not read --lr \(it reads: --out_dir, --resume, .*--sft_lr"):
         r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr
