@@ -159,6 +159,21 @@ def test_generate_leaves_the_model_in_the_mode_it_found(byte_tokenizer):
         assert model.training is mode
 
 
+def test_push_weights_makes_the_sampler_generate_with_the_module_given(byte_tokenizer):
+    """HFSampler copies nothing: push_weights(model) hands it the module to generate with (the
+    interface VLLMSampler shares, where it copies the weights into the engine)."""
+    tok = byte_tokenizer
+    first, second = make_tiny_llama(tok, seed=5), make_tiny_llama(tok, seed=6)
+    calls = []
+    for name, model in (("first", first), ("second", second)):
+        model.generate = lambda *a, _generate=model.generate, _name=name, **k: calls.append(_name) or _generate(*a, **k)
+    sampler = HFSampler(first, tok, max_new_tokens=4)
+    sampler.generate([[7] * 3])
+    sampler.push_weights(second)
+    sampler.generate([[7] * 3], greedy=True)
+    assert calls == ["first", "second"] and sampler.model is second
+
+
 def test_gen_batch_size_splits_a_call_into_generate_calls_of_that_many_rows(byte_tokenizer):
     """batch_size (--gen_batch_size) is the memory lever for sampling: 5 prompts at 2 a call."""
     tok = byte_tokenizer
