@@ -277,6 +277,20 @@ def test_scoring_passes_run_in_eval_mode_and_the_update_in_training_mode(tiny_mo
     assert modes == [("logp", False), ("logp", False), ("values", False), ("update", True, True)] * 2
 
 
+def test_each_metrics_row_is_on_disk_before_the_next_step_begins(tiny_model, tmp_path, monkeypatch):
+    """metrics.jsonl is flushed after step 0's evaluation and after each step's row: a run killed
+    outright (SIGKILL, a lost node) keeps the log of every step it finished."""
+    out, seen, real = tmp_path / "run", [], train.rollout
+
+    def rollout(*a, **k):  # a training step begins: what is on disk now?
+        seen.append([json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "rollout", rollout)
+    train.main(args(tiny_model, out, "grpo", steps=3))
+    assert seen == [[0], [0, 1], [0, 1, 2]]
+
+
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_exactly(tiny_model, tmp_path, monkeypatch, varied_reward,
                                                                    capsys):
     """Ctrl-C during step 2 of a run that saves only at its end (--save_every 0): the step
