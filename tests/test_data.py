@@ -6,6 +6,7 @@ import json
 import re
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +30,40 @@ def test_a_log_line_torn_by_an_interrupt_is_cut_so_the_next_append_starts_whole(
     assert read_log(log) == [{"step": 1}] and log.read_text() == '{"step": 1}\n'
     append_log(log, [{"step": 2}])
     assert read_log(log) == [{"step": 1}, {"step": 2}]
+
+
+def test_appended_log_lines_are_on_disk_when_append_log_returns(tmp_path, monkeypatch):
+    """The sampling log's promise (each finished batch survives a crash): the lines are flushed
+    and fsynced before append_log returns, not left in a buffer or the page cache."""
+    import os
+
+    from searchlite.data import append_log
+
+    log, synced, fsync = tmp_path / "rejection_sampling.jsonl", [], os.fsync
+
+    def spy(fd):  # what the file holds when it is synced: the lines, flushed from Python's buffer
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append((name, Path(name).read_bytes()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    append_log(log, [{"next": 4}, {"next": 8}])
+    assert synced == [(str(log), b'{"next": 4}\n{"next": 8}\n')]
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp_path):
+    from searchlite.data import write_durably
+
+    path = tmp_path / "index.json"
+    path.write_text("old")
+
+    def half(f):
+        f.write("new, half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_durably(path, half, "w")
+    assert [p.name for p in tmp_path.iterdir()] == ["index.json"] and path.read_text() == "old"
 
 
 def test_corpus_wiki18_form(tmp_path):
