@@ -118,6 +118,29 @@ def dropout_copy(model: str, folder) -> str:
     return str(folder)
 
 
+def recording_bars(monkeypatch, module, name: str = "tqdm") -> list:
+    """Replace the tqdm class `module.name` with a stand-in that records each bar made: its keyword
+    arguments (`kw`), the ticks of its updates, its postfixes and whether it was closed."""
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.ticks, self.postfixes, self.closed = kw, 0, [], False
+            bars.append(self)
+
+        def update(self, n):
+            self.ticks += n
+
+        def set_postfix(self, **kw):
+            self.postfixes.append(kw)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(module, name, Bar)
+    return bars
+
+
 def give_lora_an_effect(model):
     """`model` (a peft LoRA model) with random lora_B weights: peft starts them at zero, where the
     adapter changes nothing."""

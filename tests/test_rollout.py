@@ -527,27 +527,13 @@ def test_the_progress_bar_counts_turns_and_the_rows_still_active(byte_tokenizer,
     """progress=True: one bar over max_turns + 1 turns, a tick and the active rows after each turn
     run, closed at the end (also when every row answered early); progress=False: no bar."""
     import tqdm
+    from conftest import recording_bars
 
-    bars = []
-
-    class Bar:
-        def __init__(self, total, desc, leave):
-            self.total, self.desc, self.leave, self.ticks, self.active, self.closed = total, desc, leave, 0, [], False
-            bars.append(self)
-
-        def update(self, n):
-            self.ticks += n
-
-        def set_postfix(self, active):
-            self.active.append(active)
-
-        def close(self):
-            self.closed = True
-
-    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    bars = recording_bars(monkeypatch, tqdm)
     _run(byte_tokenizer, list(SCRIPTS), max_turns=2)
     assert bars == []
     _run(byte_tokenizer, list(SCRIPTS), max_turns=2, progress=True)  # 5 rows, then 4, then 1 (test_branches)
     _run(byte_tokenizer, ["q-answer"], max_turns=3, progress=True)  # answered in the first of 4 turns
-    assert [(b.total, b.desc, b.leave, b.ticks, b.active, b.closed) for b in bars] == [
-        (3, "rollout turns", False, 3, [4, 1, 0], True), (4, "rollout turns", False, 1, [0], True)]
+    shown = dict(desc="rollout turns", leave=False)
+    assert [(b.kw, b.ticks, [p["active"] for p in b.postfixes], b.closed) for b in bars] == [
+        ({"total": 3, **shown}, 3, [4, 1, 0], True), ({"total": 4, **shown}, 1, [0], True)]

@@ -141,32 +141,18 @@ def test_the_progress_bar_counts_steps_from_where_a_resumed_run_starts(byte_toke
     from types import SimpleNamespace
 
     import searchlite.sft
+    from conftest import recording_bars
 
-    bars = []
-
-    class Bar:
-        def __init__(self, total, initial, desc, disable):
-            self.shown, self.ticks, self.losses, self.closed = (total, initial, desc, disable), 0, [], False
-            bars.append(self)
-
-        def update(self, n):
-            self.ticks += n
-
-        def set_postfix(self, loss):
-            self.losses.append(loss)
-
-        def close(self):
-            self.closed = True
-
-    monkeypatch.setattr(searchlite.sft, "tqdm", Bar)
+    bars = recording_bars(monkeypatch, searchlite.sft)
     ids, mask, attention = rows(byte_tokenizer, n=4)
     kw = dict(attention_mask=attention, epochs=2, lr=1e-2, batch_size=2, state_path=tmp_path / "s.pt")
     stop = SimpleNamespace(requested=True)  # a Ctrl-C during the first step: it finishes, and the run stops
     first = sft(make_tiny_llama(byte_tokenizer), ids, mask, stop=stop, progress=False, **kw)
     losses = sft(make_tiny_llama(byte_tokenizer), ids, mask, **kw)  # the other 3 of 2 epochs x 2 batches
-    assert len(first) == 1 and len(losses) == 4 and [(b.shown, b.ticks, b.closed) for b in bars] == [
-        ((4, 0, "sft", True), 1, True), ((4, 1, "sft", False), 3, True)]
-    assert bars[1].losses == [f"{x:.3f}" for x in losses[1:]]
+    assert len(first) == 1 and len(losses) == 4 and [(b.kw, b.ticks, b.closed) for b in bars] == [
+        (dict(total=4, initial=0, desc="sft", disable=True), 1, True),
+        (dict(total=4, initial=1, desc="sft", disable=False), 3, True)]
+    assert bars[1].postfixes == [{"loss": f"{x:.3f}"} for x in losses[1:]]
 
 
 def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
