@@ -4,6 +4,7 @@ rewrite data for memorization, the zero weight of L_M at mu = 0, and stage 1 / s
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -750,20 +751,24 @@ def stage2_args(model, out, extra=()):
             "--micro_batch_size", "3", "--log_trajectories_every", "1", "--save_every", "1", *extra]
 
 
-def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
-    """The full recipe for 2 steps. A random model is never right, so the rewrites are stubbed
-    with real trajectories (question prompt + internal answer) to run the L_M path."""
-    tok = load_tokenizer(tiny_model)
-    seen, seen_samplers = [], []
+def stub_rewrites(monkeypatch, tok, seen_samplers: list) -> None:
+    """train.memorization_batch replaced: a random model is never right, so each step's rewrites
+    are 3 real trajectories (question prompt + internal answer), to run the L_M path; the rewrite
+    sampler of each call goes to `seen_samplers`."""
 
     def rewrites(sampler, tokenizer, protocol, template, ro, questions, chat_template=True):
-        seen.append(sampler.model)
         seen_samplers.append(sampler)
         resp = [tok.encode(internal(q.answers[0]) + tok.eos_token, add_special_tokens=False) for q in questions[:3]]
         prompts = [encode_prompt(tok, protocol, q.question, chat_template) for q in questions[:3]]
         return _collate(prompts, resp, [[1] * len(r) for r in resp], [0] * 3, [1] * 3, ["x"] * 3, [[]] * 3, tok), 3
 
     monkeypatch.setattr(train, "memorization_batch", rewrites)
+
+
+def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
+    """The full recipe for 2 steps, the rewrites stubbed (stub_rewrites)."""
+    seen_samplers = []
+    stub_rewrites(monkeypatch, load_tokenizer(tiny_model), seen_samplers)
     out = tmp_path / "full"
     train.main(stage2_args(tiny_model, out))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -772,7 +777,7 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
         for k in ("loss", "kl", "entropy", "reward", "mem_loss", "r_format", "r_answer", "r_group"):
             assert torch.isfinite(torch.tensor(float(r[k]))), k
         assert r["mem_kept"] == r["mem_tried"] == 3 and r["t_rewrite"] >= 0
-    assert not any(p.requires_grad for p in seen[0].parameters())  # the rewrite model is frozen
+    assert not any(p.requires_grad for p in seen_samplers[0].model.parameters())  # the rewrite model is frozen
     seed = json.loads((out / "config.json").read_text())["seed"]
     # the rewriter samples its own stream (sampler.call_seed), never the policy sampler's
     # (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
@@ -780,6 +785,31 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
     assert (out / "trajectories" / "step00002-memorization.html").exists()
     train.main(stage2_args(tiny_model, out, ["--steps", "3", "--resume"]))  # the rewriter's seed stream resumes too
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+
+
+def test_without_a_reference_the_rewriter_is_the_starting_model_also_after_a_resume(tiny_model, tmp_path,
+                                                                                  monkeypatch):
+    """--kl_coef 0 loads no reference model: the rewrite model is then a frozen copy of --model (the
+    stage-1 model), loaded from its folder on a resume, never the policy as trained so far."""
+    from safetensors.torch import load_file
+
+    samplers = []
+    stub_rewrites(monkeypatch, load_tokenizer(tiny_model), samplers)
+    out, weights = tmp_path / "run", []
+    real_update = train.update
+
+    def update(*a, **k):  # the rewrite model's weights as the step uses them
+        weights.append({k: v.detach().clone() for k, v in samplers[-1].model.state_dict().items()})
+        return real_update(*a, **k)
+
+    monkeypatch.setattr(train, "update", update)
+    train.main(stage2_args(tiny_model, out, ["--kl_coef", "0", "--steps", "1"]))
+    train.main(stage2_args(tiny_model, out, ["--kl_coef", "0", "--steps", "2", "--resume"]))
+    start, trained = load_file(Path(tiny_model) / "model.safetensors"), load_file(
+        out / "checkpoint" / "policy" / "model.safetensors")
+    assert len(weights) == 2 and any(not torch.equal(trained[k], start[k]) for k in start)  # the policy moved
+    for step in weights:
+        assert all(torch.equal(step[k], start[k]) for k in start)
 
 
 def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
