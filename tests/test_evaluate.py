@@ -252,7 +252,7 @@ def test_prompt_sets(tmp_path):
 def test_resume_scores_every_question_exactly_once(tok, tmp_path):
     questions = qa(*[(f"question {i}", [f"a{i}"]) for i in range(10)])
     replies = {f"question {i}": f"a{i}" if i % 2 else "wrong" for i in range(10)}
-    log_path = tmp_path / "records.jsonl"
+    log_path = tmp_path / "run" / "records.jsonl"  # in a folder not made yet: the log makes it
 
     def runner(sampler):
         return lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)
