@@ -164,13 +164,13 @@ def test_adamw8bit_step_changes_weights_with_8bit_states(tiny_llama):
     assert optimizer_state_bytes(opt) < 0.4 * optimizer_state_bytes(plain)
 
 
-@pytest.mark.parametrize("step, message", [
+@pytest.mark.parametrize("trial, message", [
     ("raise", r"^bitsandbytes 0\.1 cannot run AdamW8bit on cpu: no cpu kernel\. Install a release with a cpu backend "
               r"\(pip install -U bitsandbytes\) or use --optimizer adamw$"),
     ("still", r"^bitsandbytes 0\.1: an AdamW8bit step on cpu left the weights unchanged; use --optimizer adamw$"),
     ("silent", r"^bitsandbytes 0\.1 cannot run AdamW8bit on cpu: RuntimeError\. Install a release with a cpu "),
     ("moves", None)])
-def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(tiny_llama, monkeypatch, step, message):
+def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(tiny_llama, monkeypatch, trial, message):
     """Older bitsandbytes releases have no CPU kernels: one trial step says so (its error's first
     line) before any model trains, as does a step that moves nothing. A trial that passes is made
     once a device; one that failed, again at each call."""
@@ -184,11 +184,11 @@ def test_adamw8bit_that_cannot_step_on_this_device_is_refused_before_training(ti
 
         def step(self):
             trials.append(len(self.params[0]))
-            if step == "raise":
+            if trial == "raise":
                 raise RuntimeError("no cpu kernel\nthe traceback's details")
-            if step == "silent":  # an error with no message: its type is named
+            if trial == "silent":  # an error with no message: its type is named
                 raise RuntimeError()
-            if step == "moves":
+            if trial == "moves":
                 self.params[0].data += 1
 
     trials = []

@@ -798,9 +798,9 @@ def test_without_a_reference_the_rewriter_is_the_starting_model_also_after_a_res
     out, weights = tmp_path / "run", []
     real_update = train.update
 
-    def update(*a, **k):  # the rewrite model's weights as the step uses them
-        weights.append({k: v.detach().clone() for k, v in samplers[-1].model.state_dict().items()})
-        return real_update(*a, **k)
+    def update(*a, **kw):  # the rewrite model's weights as the step uses them
+        weights.append({name: w.detach().clone() for name, w in samplers[-1].model.state_dict().items()})
+        return real_update(*a, **kw)
 
     monkeypatch.setattr(train, "update", update)
     train.main(stage2_args(tiny_model, out, ["--kl_coef", "0", "--steps", "1"]))
