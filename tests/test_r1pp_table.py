@@ -92,17 +92,6 @@ def test_recall_vs_search_splits_questions_by_fame_and_search(table, world):
                                                                       ("other", "searched"): (1, 0.0)}
 
 
-def test_questions_of_the_first_evaluation_are_checked_too(table, world, monkeypatch, tmp_path, capsys):
-    run = make_run(tmp_path)
-    with open(run / "eval" / "step_000000.jsonl", "a") as f:
-        f.write(json.dumps({"id": "0", "em": 0.0, "searches": 1, "docs": []}) + "\n")
-    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
-    with pytest.raises(SystemExit) as e:
-        table.main()
-    named = f"{run / 'eval' / 'step_000000.jsonl'}: question '0' is not in"
-    assert e.value.code == 2 and named in capsys.readouterr().err
-
-
 def test_paths_are_taken_as_given_when_they_exist_else_under_the_repo_root(table, monkeypatch, tmp_path):
     (tmp_path / "runs" / "mine").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
@@ -120,19 +109,21 @@ def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch
     assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
 
 
-def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, world, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("evaluation", ["step_000000", "step_000002"])  # the first one's questions, and the last's
+def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, world, monkeypatch, tmp_path, capsys,
+                                                                      evaluation):
     """A run evaluated on its own --test_data, or a --data folder whose questions carry no hops, ended
     in a KeyError traceback after the first table."""
     run = make_run(tmp_path)
     (run / "eval" / "step_000001.jsonl").unlink()  # two evaluations: the last one is also the second
-    with open(run / "eval" / "step_000002.jsonl", "a") as f:
+    with open(run / "eval" / f"{evaluation}.jsonl", "a") as f:
         f.write(json.dumps({"id": "0", "em": 0.0, "searches": 1, "docs": []}) + "\n")
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         table.main()
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and err == (
-        f"r1pp_table: {run / 'eval' / 'step_000002.jsonl'}: question '0' is not in {tmp_path / 'test.jsonl'}: the "
+        f"r1pp_table: {run / 'eval' / f'{evaluation}.jsonl'}: question '0' is not in {tmp_path / 'test.jsonl'}: the "
         "run was evaluated on other questions (its --test_data); --data names the folder of the toy world's files "
         "it used\n")
     write_jsonl(tmp_path / "test.jsonl", [{"id": "0", "question": "who?", "golden_answers": ["x"]}])
