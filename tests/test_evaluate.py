@@ -411,6 +411,7 @@ def test_cli_table_and_json_agree(world, tmp_path, capsys, monkeypatch):
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     table_md = (tmp_path / "out" / "table.md").read_text()
     assert table_md.strip() in printed
+    assert printed.endswith(f"wrote {tmp_path / 'out' / 'results.json'} and {tmp_path / 'out' / 'table.md'}\n")
     rows = parse_table(table_md)
     keys = ["n", "em", "f1", "cover_em", "searches", "answered", "length"]
     expected = {(d, m): s["all"] for d, per in results["metrics"].items() for m, s in per.items()}
@@ -459,6 +460,15 @@ def test_temperature_and_seed_reach_the_sampler(world, tmp_path, monkeypatch, ex
     monkeypatch.setattr(HFSampler, "generate", generate)
     evaluate.main(cli(world, tmp_path / "out", "--methods", "direct,search", *extra))
     assert seen == {expected}
+
+
+@pytest.mark.parametrize("threads, expected", [("0", []), ("1", [1])])
+def test_threads_sets_torchs_threads_and_0_leaves_them(world, tmp_path, monkeypatch, threads, expected):
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    evaluate.main(cli(world, tmp_path / "out", "--methods", "direct", "--data", str(world / "beta.jsonl"),
+                      "--threads", threads))
+    assert set_to == expected
 
 
 def test_a_bad_corpus_line_met_by_a_search_is_one_line_and_keeps_the_answers(world, tmp_path, monkeypatch, capsys):
