@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_byte_tokenizer, make_tiny_llama
 
 from searchlite import models
 from searchlite.config import ConfigError
@@ -85,6 +85,18 @@ def test_a_new_critic_values_zero_and_a_saved_one_reloads_its_head(byte_tokenize
     assert all(torch.equal(a, b) for a, b in zip(from_given.backbone.parameters(), backbone.parameters(), strict=True))
     half = compute_in(Critic(backbone), "bfloat16")
     assert half(IDS, attn).dtype == torch.float32
+
+
+def test_load_tokenizer_pads_on_the_left_with_eos_where_the_tokenizer_names_no_pad_token(tmp_path):
+    """A base model's tokenizer often has no pad token; batched prompts for generation pad on the left."""
+    tok = make_byte_tokenizer()
+    tok.pad_token, tok.padding_side = None, "right"
+    tok.save_pretrained(tmp_path / "plain")
+    loaded = models.load_tokenizer(str(tmp_path / "plain"))
+    assert (loaded.pad_token, loaded.padding_side) == ("<|endoftext|>", "left")
+    tok.pad_token = "<|pad|>"
+    tok.save_pretrained(tmp_path / "own")
+    assert models.load_tokenizer(str(tmp_path / "own")).pad_token == "<|pad|>"  # its own is kept
 
 
 def test_load_policy_enables_gradient_checkpointing(tiny_model):
