@@ -2,11 +2,13 @@
 flags before the index loads (minutes on wiki-18) and hands them to make_app; a bad flag is
 named in the error. Then the server's edges: topk and body-size bounds inclusive, JSON error
 positions, /health for a retriever without a passage count, a NaN score answered as an error,
-requests held by a stopped batcher answered, the batch wait, and `serve`'s address and
-settings. Its round trip, validation, batching, load and fuzz tests are in test_retrieval_scale.py."""
+requests held by a stopped batcher answered, a batcher that dies logged once and restarted, the
+batch wait, and `serve`'s address and settings. Its round trip, validation, batching, load and
+fuzz tests are in test_retrieval_scale.py."""
 
 import asyncio
 import json
+import logging
 import re
 import sys
 import threading
@@ -167,6 +169,45 @@ def test_a_stopped_batcher_answers_the_batch_it_searches_the_one_waiting_and_the
 
     answers = asyncio.run(three())
     assert [(type(a), str(a)) for a in answers] == [(RuntimeError, "the search batcher was stopped")] * 3
+
+
+class NoHits:
+    def search(self, queries, k):
+        return [[] for _ in queries]
+
+
+def test_a_batcher_that_dies_of_an_error_logs_it_once_and_the_next_request_restarts_it(caplog):
+    """Its request gets the error, the log one line with the traceback (unread, asyncio would print
+    "Task exception was never retrieved" at some later point), and the next request is answered."""
+
+    def broken(queue, jobs):
+        raise ValueError("boom")
+
+    async def twice():
+        batcher = Batcher(NoHits(), wait=0, max_batch=8)
+        batcher._fill = broken
+        with pytest.raises(ValueError, match="^boom$"):
+            await batcher.search(["a"], 1)
+        await asyncio.sleep(0)  # the dead task's done callbacks run
+        del batcher._fill
+        return await batcher.search(["b"], 1)
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(twice()) == [[]]
+    logged = [(r.getMessage(), type(r.exc_info[1])) for r in caplog.records if r.name == "searchlite.server"]
+    assert logged == [("the search batcher stopped; the next request restarts it", ValueError)]
+
+
+def test_stop_cancels_the_batcher_running_on_this_loop():
+    async def started_then_stopped():
+        batcher = Batcher(NoHits(), wait=0, max_batch=8)
+        batcher.stop()  # never started: nothing to cancel
+        batcher.start()
+        batcher.stop()
+        await asyncio.sleep(0)
+        return batcher.task.cancelled()
+
+    assert asyncio.run(started_then_stopped())
 
 
 def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
