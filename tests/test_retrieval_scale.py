@@ -23,6 +23,7 @@ import pytest
 from conftest import save_bag_of_words_bert
 
 from searchlite.bm25 import tokenize
+from searchlite import indexing
 from searchlite.config import TOY_DIR
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
 from searchlite.data import DataError, Passage, passage_to_dict, read_corpus, write_jsonl
@@ -416,8 +417,10 @@ def test_a_corpus_edited_in_place_under_an_index_folder_warns(tmp_path, toy_pass
 def test_a_folder_holds_one_kind_of_index(tmp_path, encoder):
     """A dense build into a BM25 folder used to succeed, and the folder then loaded as BM25."""
     build_bm25_folder(TOY, tmp_path / "i", progress=False)
+    built = sorted(os.listdir(tmp_path / "i"))
     with pytest.raises(ValueError, match=re.escape("holds files of a bm25 index (bm25.json, data.csc.index.npy")):
         build_dense_folder(TOY, tmp_path / "i", encoder, max_length=48, progress=False)
+    assert sorted(os.listdir(tmp_path / "i")) == built  # refused before the encoding: no shards/
     assert isinstance(load_index(tmp_path / "i"), BM25Retriever)  # refused before anything changed
     (tmp_path / "d" / "shards").mkdir(parents=True)  # a dense build's encodings, kept
     with pytest.raises(ValueError, match=re.escape("holds files of a dense index (shards)")):
@@ -525,6 +528,7 @@ def test_shards_of_a_corpus_edited_in_place_are_refused(tmp_path, encoder):
     manifest = out / "shards" / "manifest.json"  # shards begun before the time was recorded: kept
     old = json.loads(manifest.read_text())
     del old["corpus_mtime_ns"]
+    old["encoder"] = os.path.relpath(old["encoder"])  # and the encoder kept as typed, before it was made absolute
     manifest.write_text(json.dumps(old))
     build_dense_folder(corpus, out, encoder, max_length=48, keep_shards=True, progress=False)
 
@@ -549,6 +553,17 @@ def test_hnsw_build_and_faiss_kinds(tmp_path, encoder):
     assert faiss_factory("ivfpq", 384, 14_171) == "IVF363,PQ48" and faiss_factory("IVF64,Flat", 8, 10) == "IVF64,Flat"
     with pytest.raises(ValueError, match="^--faiss 'ivfpq' needs at least 10,000 passages"):
         faiss_factory("ivfpq", 384, 450)
+
+
+def test_the_training_sample_takes_every_step_th_vector_across_shards(tmp_path, monkeypatch):
+    monkeypatch.setattr(indexing, "TRAIN_LIMIT", 4)  # 10 vectors: every 3rd
+    paths = []
+    for s, (a, b) in enumerate([(0, 4), (4, 8), (8, 10)]):  # row i holds (i, i)
+        np.save(tmp_path / f"{s}.npy", np.repeat(np.arange(a, b, dtype=np.float64)[:, None], 2, axis=1))
+        paths.append(str(tmp_path / f"{s}.npy"))
+    sample = indexing._training_sample(paths, 10)
+    assert sample.dtype == np.float32 and sample.flags.c_contiguous
+    assert sample.tolist() == [[0, 0], [3, 3], [6, 6], [9, 9]]
 
 
 def test_ivfpq_lists_fit_the_training_sample():
@@ -598,6 +613,8 @@ def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp
             build_dense_folder(TOY, tmp_path / "k", encoder, faiss_index=kind, max_length=48, progress=False)
         assert texts == [1]
     assert checked_faiss("IVF16,PQ8x12", None, 32, 4096) == ("IVF16,PQ8x12", "nprobe=64")  # one vector a code: enough
+    with pytest.raises(ValueError, match=re.escape("the PQ8x12 index trains 4,096 centroids on 450 vectors")):
+        checked_faiss("PQ8x12", None, 32, 450)  # PQ without IVF lists
     assert checked_faiss("IVF450,Flat", None, 32, 450) == ("IVF450,Flat", "nprobe=64")
     with pytest.raises(ValueError, match=r"on 100,000 vectors \(the passages, or a sample of them\)"):
         checked_faiss("IVF262144,Flat", None, 32, 21_000_000)  # wiki-18's sample: refused before 21M encodings
