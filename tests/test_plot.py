@@ -225,6 +225,10 @@ def test_out_in_a_new_folder_is_written_there(tmp_path):
     run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.1}])
     out = plot([str(run)], str(tmp_path / "figs" / "new" / "c.png"))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from searchlite.plot import main
+
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: {out}: File exists") + "$"):  # not a traceback
+        main([str(run), "--out", str(out / "c.png")])  # its folder would be a file
 
 
 def test_a_run_given_twice_is_named_before_anything_is_drawn(tmp_path, monkeypatch):
