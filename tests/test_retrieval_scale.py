@@ -425,6 +425,8 @@ def test_a_folder_holds_one_kind_of_index(tmp_path, encoder):
     (tmp_path / "d" / "shards").mkdir(parents=True)  # a dense build's encodings, kept
     with pytest.raises(ValueError, match=re.escape("holds files of a dense index (shards)")):
         build_bm25_folder(TOY, tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match=re.escape("holds files of a dense index (shards)")):
+        load_index(tmp_path / "i").save(tmp_path / "d")  # a retriever saved in code is refused too
     (tmp_path / "i" / "dense.json").write_text("{}")  # as an older searchlite could leave it
     with pytest.raises(ValueError, match="holds both bm25.json and dense.json"):
         load_index(tmp_path / "i")
