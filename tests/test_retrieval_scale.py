@@ -232,6 +232,23 @@ def test_corpus_indices_are_integers_within_range(toy_passages):
             c[out]
 
 
+def test_a_corpus_closes_its_file_when_closed_or_collected(monkeypatch):
+    """A corpus holds its file open for its reads: a process that opens corpora again and again
+    (an evaluation per checkpoint) keeps no descriptor of one it is done with."""
+    closed, real = [], os.close
+    monkeypatch.setattr(os, "close", lambda fd: closed.append(fd) or real(fd))
+    c = Corpus(TOY)
+    fd = c._fd
+    c.close()
+    c.close()  # a second close is harmless
+    assert closed == [fd]
+    dropped = Corpus(TOY)
+    fd = dropped._fd
+    del dropped
+    gc.collect()
+    assert fd in closed[1:]
+
+
 @pytest.mark.parametrize("text", ["", "\n \n\t\n"])
 def test_open_corpus_refuses_a_file_without_passages(tmp_path, text):
     """A corpus file with no passages (empty, or blank lines only) is a DataError naming it."""
