@@ -195,7 +195,11 @@ def test_a_lora_checkpoint_is_merged_once_for_vllm(tiny_model, tmp_path, monkeyp
     assert (folder / "tokenizer_config.json").is_file() and capsys.readouterr().err.count("merging") == 1
     assert model_spec.merged_folder(str(adapter)) == folder and "merging" not in capsys.readouterr().err  # cached
     save_adapter(1)  # a later checkpoint in the same folder: merged again, into the same cache entry
+    stale = folder.with_name(folder.name + ".tmp")  # left by a merge that died
+    stale.mkdir()
+    (stale / "adapter_config.json").write_text("{}")  # e.g. a file that would make the copy read as an adapter
     assert model_spec.merged_folder(str(adapter)) == folder and capsys.readouterr().err.count("merging") == 1
+    assert not (folder / "adapter_config.json").exists()  # none of its files came along
     again = merged_weights(folder)
     assert not torch.equal(again["model.layers.0.self_attn.q_proj.weight"],
                            got["model.layers.0.self_attn.q_proj.weight"])
