@@ -110,6 +110,17 @@ def test_corpus_offsets_cache_follows_the_file(tmp_path):
     assert [x.id for x in Corpus(other, offsets=cache)] == ["1", "22", "3"]  # not p's offsets: a bad JSON line
 
 
+def test_an_index_saved_from_code_keeps_its_corpus_line_scan_beside_it(tmp_path, monkeypatch):
+    """A retriever over a Corpus opened without a cache writes the scan into the folder it is saved
+    to, so that loading the folder does not scan the corpus again (minutes on wiki-18)."""
+    import searchlite.corpus
+
+    BM25Retriever(Corpus(TOY), progress=False).save(tmp_path / "i")
+    scans, real = [], searchlite.corpus.scan_lines
+    monkeypatch.setattr(searchlite.corpus, "scan_lines", lambda *a, **k: scans.append(a) or real(*a, **k))
+    assert len(load_index(tmp_path / "i").passages) == 450 and scans == []
+
+
 def test_a_cache_that_cannot_be_written_does_not_stop_the_corpus(tmp_path):
     """An offsets cache where no file can be made (a read-only index folder; here, under a file)
     costs a scan next time, never the run."""
