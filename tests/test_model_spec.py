@@ -81,6 +81,19 @@ def test_gguf_cache_hit_skips_conversion(tmp_path, monkeypatch):
     assert model_spec.gguf_to_folder(str(gguf)) == cached
 
 
+def test_one_process_at_a_time_makes_or_reads_a_cache_folder(tmp_path):
+    """torchrun's ranks asking for one GGUF or LoRA copy take turns: the second waits for the lock."""
+    import fcntl
+
+    folder = tmp_path / "cache" / "gguf" / "m-0123"
+    with model_spec._locked(folder):
+        with open(folder.with_name("m-0123.lock")) as other:  # as another process opens it
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(folder.with_name("m-0123.lock")) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the block is left
+
+
 def test_a_gguf_file_cut_short_stops_train_py_in_one_line(tmp_path, monkeypatch):
     """gguf's reader raises struct.error on a file cut short: train.py and evaluate.py, which print
     a ValueError in one line, ended in its traceback. (The reader is stood in for: gguf is not in
