@@ -887,8 +887,10 @@ def test_a_save_interrupted_twice_keeps_a_checkpoint_to_resume_from(tiny_llama, 
     assert find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
     assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 2
     monkeypatch.setattr(os, "replace", real)
+    (tmp_path / "checkpoint.tmp" / "critic").mkdir()  # in the folder the killed save left: one it does not write
     save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})  # the next save completes and tidies up
     assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 4 and not (tmp_path / "checkpoint.old").exists()
+    assert not (tmp_path / "checkpoint" / "critic").exists()  # nothing of the temporary folder it found stays
 
 
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_tokenizer, tmp_path, monkeypatch):
@@ -907,7 +909,7 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_token
     synced = {Path(p).relative_to(tmp_path / "checkpoint.tmp") for kind, p in events[:renamed]
               if kind == "sync" and p.startswith(str(tmp_path / "checkpoint.tmp"))}
     files = {f.relative_to(ckpt) for f in ckpt.rglob("*") if f.is_file()}
-    assert {Path("trainer.pt"), Path("policy/model.safetensors")} <= files <= synced
+    assert {Path("trainer.pt"), Path("policy/model.safetensors"), Path("policy/tokenizer.json")} <= files <= synced
     assert ("sync", str(tmp_path)) in events[renamed:]
 
 
