@@ -99,13 +99,15 @@ def test_load_tokenizer_pads_on_the_left_with_eos_where_the_tokenizer_names_no_p
     assert models.load_tokenizer(str(tmp_path / "own")).pad_token == "<|pad|>"  # its own is kept
 
 
-def test_load_policy_enables_gradient_checkpointing(tiny_model):
+def test_the_policy_and_the_critic_checkpoint_gradients_when_asked(tiny_model):
     from searchlite.models import load_policy
 
     policy = load_policy(tiny_model, grad_checkpointing=True)
     # and builds no KV cache in its training forwards, which transformers would drop with a warning
     assert policy.is_gradient_checkpointing and policy.config.use_cache is False
     assert not load_policy(tiny_model).is_gradient_checkpointing
+    assert Critic.from_pretrained(tiny_model, grad_checkpointing=True).backbone.is_gradient_checkpointing
+    assert not Critic.from_pretrained(tiny_model).backbone.is_gradient_checkpointing
 
 
 def test_warmup_starts_at_one_step_of_the_ramp(byte_tokenizer):
