@@ -161,6 +161,9 @@ def test_query_passes_mmap_and_device_to_a_dense_folder(tmp_path, corpus_file, e
                    "cuda:1", "--k", "1", "wooden string instrument played with a bow"])
     assert calls == [{"kind": None, "device": "cuda:1", "mmap": True}]
     assert "] Violin (id v1)" in capsys.readouterr().out
+    enc = str(encoder_dir / "tiny-bert")  # --encoder encodes the queries in place of the folder's encoder
+    retrieve.main(["query", "--index", str(tmp_path / "idx"), "--corpus", str(corpus_file), "--encoder", enc, "violin"])
+    assert calls[-1]["encoder"] == enc
 
 
 def test_device_auto_reaches_a_dense_index_as_the_device_it_picks(tmp_path, corpus_file, encoder_dir, monkeypatch):
