@@ -891,6 +891,9 @@ def test_a_save_interrupted_twice_keeps_a_checkpoint_to_resume_from(tiny_llama, 
     save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 4})  # the next save completes and tidies up
     assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 4 and not (tmp_path / "checkpoint.old").exists()
     assert not (tmp_path / "checkpoint" / "critic").exists()  # nothing of the temporary folder it found stays
+    shutil.copytree(tmp_path / "checkpoint", tmp_path / "checkpoint.old")  # a save killed before its last tidy-up
+    save_checkpoint(tmp_path, tiny_llama, byte_tokenizer, {"step": 6})
+    assert load_trainer_state(find_checkpoint(tmp_path))["step"] == 6 and not (tmp_path / "checkpoint.old").exists()
 
 
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tiny_llama, byte_tokenizer, tmp_path, monkeypatch):
