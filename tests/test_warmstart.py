@@ -102,6 +102,19 @@ def toy():
     return tok, qa, retriever
 
 
+def test_a_changed_setting_without_out_never_rewrites_the_shipped_model(monkeypatch, capsys):
+    from searchlite import warmstart
+
+    def build(args):
+        raise AssertionError(f"a build into {args.out} began")
+
+    monkeypatch.setattr(warmstart, "build", build)
+    with pytest.raises(SystemExit) as stopped:
+        warmstart.main(["--epochs", "1"])
+    assert stopped.value.code == 2
+    assert f"error: --epochs 1 would rewrite the shipped toy world and model in {TOY_DIR}, " in capsys.readouterr().err
+
+
 def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
     from searchlite.warmstart import CAREFUL, teacher_data
 
