@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from conftest import save_bag_of_words_bert
 
-from searchlite.bm25 import tokenize
 from searchlite import indexing
+from searchlite.bm25 import tokenize
 from searchlite.config import TOY_DIR
 from searchlite.corpus import Corpus, batches, open_corpus, sample_ids_digest
 from searchlite.data import DataError, Passage, passage_to_dict, read_corpus, write_jsonl
