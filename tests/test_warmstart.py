@@ -205,9 +205,16 @@ def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monk
 
     from searchlite.warmstart import make_model
 
+    torch.set_num_threads(2)  # (torch_settings puts them back)
+    torch.use_deterministic_algorithms(False)
     calls = _fake_build(monkeypatch, tmp_path, ["--seed", "3", "--read_passes", "1", "--epochs", "0"])
+    assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()  # a rebuild's same bytes
     assert [d["n"] for d in calls["data"]] == [len(read_qa(TOY_DIR / "train.jsonl"))]
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    tok = load_tokenizer(str(tmp_path / "model"))  # the model folder loads alone, its tokenizer in it
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (tok.eos_token_id,
+                                                                                           tok.pad_token_id)
+    saved = model.state_dict()
     init = make_model(load_tokenizer(str(tmp_path)), 3).state_dict()
     other = make_model(load_tokenizer(str(tmp_path)), 4).state_dict()
     assert all(torch.equal(saved[k], init[k]) for k in saved)  # sft recorded, not run: the init is saved
