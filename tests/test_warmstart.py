@@ -102,7 +102,7 @@ def toy():
     return tok, qa, retriever
 
 
-def test_a_changed_setting_without_out_never_rewrites_the_shipped_model(monkeypatch, capsys):
+def test_only_the_default_build_writes_the_shipped_folder(monkeypatch, capsys):
     from searchlite import warmstart
 
     def build(args):
@@ -113,6 +113,10 @@ def test_a_changed_setting_without_out_never_rewrites_the_shipped_model(monkeypa
         warmstart.main(["--epochs", "1"])
     assert stopped.value.code == 2
     assert f"error: --epochs 1 would rewrite the shipped toy world and model in {TOY_DIR}, " in capsys.readouterr().err
+    built = []
+    monkeypatch.setattr(warmstart, "build", built.append)
+    warmstart.main(["--resume"])  # the default build: into the shipped folder
+    assert [args.out for args in built] == [str(TOY_DIR)]
 
 
 def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
