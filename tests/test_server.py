@@ -121,12 +121,15 @@ def test_a_body_that_is_not_json_names_the_character_where_it_breaks(served):
                                              "send a JSON object)"})
 
 
-def test_health_of_a_retriever_without_a_passage_count_says_null():
-    class Countless:
-        def search(self, queries, k):
-            return [[] for _ in queries]
+class NoHits:
+    """A retriever that finds nothing and holds no passage count."""
 
-    with TestClient(make_app(Countless())) as client:
+    def search(self, queries, k):
+        return [[] for _ in queries]
+
+
+def test_health_of_a_retriever_without_a_passage_count_says_null():
+    with TestClient(make_app(NoHits())) as client:
         reply = client.get("/health")
     assert (reply.status_code, reply.json()) == (200, {"status": "ok", "passages": None})
 
@@ -169,11 +172,6 @@ def test_a_stopped_batcher_answers_the_batch_it_searches_the_one_waiting_and_the
 
     answers = asyncio.run(three())
     assert [(type(a), str(a)) for a in answers] == [(RuntimeError, "the search batcher was stopped")] * 3
-
-
-class NoHits:
-    def search(self, queries, k):
-        return [[] for _ in queries]
 
 
 def test_a_batcher_that_dies_of_an_error_logs_it_once_and_the_next_request_restarts_it(caplog):
