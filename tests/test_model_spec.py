@@ -86,11 +86,12 @@ def test_one_process_at_a_time_makes_or_reads_a_cache_folder(tmp_path):
     import fcntl
 
     folder = tmp_path / "cache" / "gguf" / "m-0123"
+    lock = folder.with_name("m-0123.lock")
     with model_spec._locked(folder):
-        with open(folder.with_name("m-0123.lock")) as other:  # as another process opens it
+        with open(lock) as other:  # as another process opens it
             with pytest.raises(BlockingIOError):
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(folder.with_name("m-0123.lock")) as other:
+    with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the block is left
 
 
