@@ -1251,10 +1251,14 @@ def test_a_resume_from_a_model_changed_since_is_refused(tiny_model, tmp_path, ca
         train.main(args(str(model), out, "grpo", steps=3, extra=["--resume"]))
 
 
-def test_a_step_line_comes_before_its_evaluation(tiny_model, tmp_path, capsys):
-    """'eval step 1' was printed before 'step    1 | reward ...', the step it evaluates."""
-    train.main(args(tiny_model, tmp_path / "run", "grpo", steps=1))
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "eval step "))]
+def test_a_run_prints_its_config_first_and_a_step_line_before_its_evaluation(tiny_model, tmp_path, capsys):
+    """A run's output begins with every setting it runs with; 'eval step 1' was printed before
+    'step    1 | reward ...', the step it evaluates."""
+    argv = args(tiny_model, tmp_path / "run", "grpo", steps=1)
+    train.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"config:\n{train.format_config(train.parse_args(argv))}\n")
+    lines = [line for line in printed.splitlines() if line.startswith(("step ", "eval step "))]
     assert [line.split("|")[0].split()[:3] for line in lines] == [["eval", "step", "0"], ["step", "1"],
                                                                     ["eval", "step", "1"]]
 
