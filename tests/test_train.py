@@ -681,11 +681,21 @@ def test_setting_aside_an_earlier_run_leaves_no_checkpoint_of_it_to_resume(tiny_
     assert find_checkpoint(out) is None and (out / "checkpoint.previous" / "trainer.pt").exists()
 
 
+def test_the_finite_check_names_the_first_value_that_is_not():
+    """Finite numbers, tensors and lists (an empty one too) pass; of two bad values the first is named."""
+    train.check_finite(1, loss=[], reward=torch.tensor([1.0, 2.0]), grad_norm=0.5)
+    with pytest.raises(FloatingPointError, match=r"^step 3: loss is not finite \(\[1\.0, nan\]\.\.\.\); the last good"):
+        train.check_finite(3, kl=[torch.tensor(0.0)], loss=[torch.tensor(1.0), torch.tensor(float("nan"))],
+                           reward=float("inf"))
+
+
 @pytest.mark.parametrize("algo, poisoned, name", [("grpo", "policy_loss", "loss"), ("ppo", "value_loss", "value_loss"),
-                                                  ("grpo", "compute_rewards", "reward")])
+                                                  ("grpo", "compute_rewards", "reward"),
+                                                  ("grpo", "policy_loss", "grad_norm")])
 def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch, algo, poisoned, name):
-    """A NaN in the policy loss, the critic's loss or the reward stops the run at that step, naming
-    it, and the checkpoint of the step before stays as it was."""
+    """A NaN in the policy loss, the critic's loss or the reward, or a finite loss whose gradient
+    is not (grad_norm), stops the run at that step, naming it, and the checkpoint of the step
+    before stays as it was."""
     out = tmp_path / "nan"
     train.main(args(tiny_model, out, algo, steps=1))
     saved = (out / "checkpoint" / "policy" / "model.safetensors").read_bytes()
@@ -693,10 +703,14 @@ def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch, algo
 
     def poison(*a, **k):
         got = real(*a, **k)
+        if name == "grad_norm":  # the loss stays as it is, its backward carries an infinity
+            got[0].register_hook(lambda g: g * float("inf"))
+            return got
         return got * float("nan") if name == "reward" else (got[0] * float("nan"), *got[1:])
 
     monkeypatch.setattr(train, poisoned, poison)
-    with pytest.raises(FloatingPointError, match=rf"^step 2: {name} is not finite \(\[nan, "):
+    first = "nan]" if name == "grad_norm" else "nan, "  # one norm; the others hold one value a micro-batch or row
+    with pytest.raises(FloatingPointError, match=rf"^step 2: {name} is not finite \(\[{first}"):
         train.main(args(tiny_model, out, algo, steps=2, extra=["--resume"]))
     assert (out / "checkpoint" / "policy" / "model.safetensors").read_bytes() == saved
 
