@@ -556,6 +556,25 @@ def test_settings_two_processes_cannot_use_are_refused_before_training(monkeypat
     dist.check_settings(7, 0, "fsdp", lora_rank=8, optimizer="adamw8bit")  # one process: nothing is sharded
 
 
+def test_train_py_stops_with_those_refusals_in_one_line_before_and_after_auto_is_resolved(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    """train.py exits with check_settings' message as its error line: a batch that does not split
+    over the processes before any model loads, and a LoRA run that --parallel auto resolves to
+    FSDP2 (here from one trained parameter up) before any model is wrapped."""
+    from test_train import args
+
+    monkeypatch.setattr(dist, "world", lambda: 2)  # two processes as train.py sees them, no group needed
+    load = train.load_policy
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    with pytest.raises(SystemExit, match=r"^error: batch_size 3 does not split over 2 processes; use a multiple of 2$"):
+        train.main(args(tiny_model, tmp_path / "odd", "grpo", extra=["--batch_size", "3"]))
+    monkeypatch.setattr(train, "load_policy", load)
+    monkeypatch.setattr(dist, "FSDP_FROM_PARAMS", 1)
+    monkeypatch.setattr(dist, "wrap_model", lambda *a, **k: pytest.fail("a model was wrapped before the check"))
+    with pytest.raises(SystemExit, match=r"^error: parallel = 'fsdp' with LoRA is not supported"):
+        train.main(args(tiny_model, tmp_path / "lora", "grpo", extra=["--lora_rank", "4"]))
+
+
 # ---------------------------------------------------------------------------- one process, a stand-in group
 # `FakeGroup` replaces torch.distributed inside searchlite.distributed: this process is rank `rank`
 # of `world`, and what the other ranks contribute to each collective is given in advance (in rank
