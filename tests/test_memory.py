@@ -266,7 +266,9 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
     log-probs, so KL, so the update) is the one with the reference kept on the device. On a CPU
     machine both runs stay on the CPU, so what --ref_offload changes is checked where train.py
     does it: the reference is scored inside `on_device(ref, device, enabled=True)`, once a step,
-    and its weights are in CPU memory after each; without the flag the block is disabled."""
+    and its weights are in CPU memory after each; without the flag the block is disabled. The reference
+    is the policy's copy without the flag, and with it a second load of --model, asked for in CPU
+    memory (on a GPU the policy's copy would sit on the device first)."""
     import contextlib
 
     from safetensors.torch import load_file
@@ -274,7 +276,12 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
     seen = []  # per score_tokens call: (model, whether an enabled on_device block holds it)
     blocks = []  # per on_device call: (model, enabled, devices of its parameters after the block)
     held = []  # the models inside an enabled on_device block right now
-    real_score, real_on_device = train.score_tokens, train.on_device
+    loads = []  # per load_policy call: the device asked for
+    real_score, real_on_device, real_load = train.score_tokens, train.on_device, train.load_policy
+
+    def load(path, dtype="float32", device="cpu", *a, **k):
+        loads.append(str(device))
+        return real_load(path, dtype, device, *a, **k)
 
     def score(model, *a, **k):
         seen.append((model, any(m is model for m in held)))
@@ -292,11 +299,13 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
 
     monkeypatch.setattr(train, "score_tokens", score)
     monkeypatch.setattr(train, "on_device", recording_on_device)  # train.py's own name for it
+    monkeypatch.setattr(train, "load_policy", load)
     two = ["--mini_batch_size", "2"]  # two optimizer steps a batch: the policy is scored too (one_step_on_policy)
     a = run(tiny_model, tmp_path / "on", steps=2, extra=two)
-    seen_a, blocks_a = seen[:], blocks[:]
+    seen_a, blocks_a, loads_a = seen[:], blocks[:], loads[:]
     seen.clear()
     blocks.clear()
+    loads.clear()
     b = run(tiny_model, tmp_path / "off", steps=2, extra=two + ["--ref_offload"])
     keep = lambda r: {k: v for k, v in r.items() if k != "seconds" and not k.startswith("t_")}  # noqa: E731 timings
     assert [keep(r) for r in a] == [keep(r) for r in b]
@@ -314,6 +323,7 @@ def test_ref_offload_gives_the_same_run(tiny_model, tmp_path, varied_reward, mon
     assert not any(inside for _, inside in seen_a)
     assert [(m is ref_b, on, where) for m, on, where in blocks] == [(True, True, {"cpu"})] * 2
     assert [inside for _, inside in seen] == [False, True] * 2  # the reference inside, the policy not
+    assert loads_a == ["cpu"] and loads == ["cpu", "cpu"]  # this machine's device, then the reference's CPU
 
 
 def test_on_device_moves_there_and_back_even_on_error():
