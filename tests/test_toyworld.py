@@ -232,8 +232,12 @@ def test_saved_tokenizer_loads_with_autotokenizer(world, tok, tmp_path):
 # ---------------------------------------------------------------------------- the shipped files
 
 
-def test_shipped_files_are_a_fresh_build_with_seed_0(tmp_path, capsys):
-    main(["build", "--seed", "0", "--out", str(tmp_path)])
+def test_shipped_files_are_what_build_writes_with_its_defaults(tmp_path, monkeypatch, capsys):
+    """`python -m searchlite.toyworld build` (seed 0, the package's toy folder, here moved to tmp_path)."""
+    from searchlite import toyworld
+
+    monkeypatch.setattr(toyworld, "TOY_DIR", tmp_path)
+    main(["build"])
     assert "train: 3600" in capsys.readouterr().out
     fresh, shipped = _files(tmp_path), _files(ASSETS)
     assert set(fresh) == set(FILES)
@@ -310,6 +314,20 @@ class CharTokenizer:
 
     def __call__(self, texts, add_special_tokens=True):
         return {"input_ids": [[0] * add_special_tokens + [ord(c) for c in t] for t in texts]}
+
+
+def test_summary_counts_entities_by_kind_and_fame_and_questions_by_split_and_type():
+    from searchlite.toyworld import summary
+
+    entities = [{"kind": "person", "famous": True}, {"kind": "person", "famous": False},
+                {"kind": "city", "famous": False}, {"kind": "person", "famous": False}]
+    train = [{"type": "2hop", "famous": True}, {"type": "comparison", "famous": False},
+             {"type": "2hop", "famous": False}, {"type": "2hop", "famous": True}]
+    test = [{"type": "1hop", "famous": True}]
+    w = SimpleNamespace(entities=entities, passages=[{}] * 5, train=train, test=test)
+    assert summary(w) == ("entities: {'city': 1, 'person': 2, 'person*': 1} (* = famous), passages: 5\n"
+                          "train: 4 = 2hop 3 (2 famous), comparison 1 (0 famous)\n"
+                          "test: 1 = 1hop 1 (1 famous)")
 
 
 def test_length_report_gives_mean_and_max_over_every_text():
