@@ -449,6 +449,15 @@ def test_memorization_loss_is_zero_weighted_at_mu_zero(tiny_llama, byte_tokenize
     assert any(not torch.equal(a, b) for a, b in zip(without, on)) and len(stats["mem_loss"]) == 1
 
 
+def test_a_memorization_loss_that_is_not_finite_stops_the_update_naming_it(tiny_llama, byte_tokenizer,
+                                                                          monkeypatch):
+    """A NaN L_M raises, with the step as train.py counts it (update's step + 1), as the policy loss does."""
+    real = train.memorization_backward
+    monkeypatch.setattr(train, "memorization_backward", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(FloatingPointError, match=r"^step 1: mem_loss is not finite \(\[nan\]"):
+        _params_after_update(tiny_llama, byte_tokenizer, _batch(byte_tokenizer, n=3, seed=1), 0.1)
+
+
 class GradRecorder:
     """Stands in for the optimizer: keeps each step's gradients and moves no weight."""
 
