@@ -908,6 +908,16 @@ def test_close_leaves_a_group_it_did_not_create(group, monkeypatch):
     assert fake.calls == [("barrier",), ("destroy_process_group",)] and not dist._own_group
 
 
+def test_barrier_waits_on_the_other_ranks_only_when_there_are_some(group):
+    """A group of one (such as vLLM's own in one process) has no rank to wait for."""
+    fake = group(2, 1)
+    dist.barrier()
+    assert fake.calls == [("barrier",)]
+    fake = group(1, 0)
+    dist.barrier()
+    assert fake.calls == []
+
+
 def test_one_process_helpers_change_nothing():
     """Without a process group: rank 0 of 1, sums and gathers of one, whole shares, models as they are."""
     model = nn.Linear(2, 2)
