@@ -211,10 +211,15 @@ def mixed_precision(batch: dict, mine: list[int], model_dir: str) -> dict:
             "grads": {str(p.grad.dtype) for p in policy.parameters()}, "marked": policy.searchlite_compute_dtype}
 
 
-def uneven_generation(model_dir: str) -> float:
+def uneven_generation(model_dir: str) -> dict:
     """Rank 1 generates twice, rank 0 once, inside `gathered` under FSDP2, then both meet in a
-    collective. transformers syncs every generated token across the ranks of an FSDP model unless
-    told not to (synced_gpus): with it, rank 0's sum met rank 1's token sync and gloo aborted."""
+    collective (`sum`). transformers syncs every generated token across the ranks of an FSDP model unless
+    told not to (synced_gpus): with it, rank 0's sum met rank 1's token sync and gloo aborted.
+    Every weight is whole in the block before any forward pass; after the block a training forward
+    pass reshards the decoder layers again, and the root keeps its own weights gathered for the
+    backward, FSDP2's default (the names of the weights left as shards, `sharded_after`)."""
+    from torch.distributed.tensor import DTensor
+
     from searchlite.models import load_tokenizer
     from searchlite.sampler import HFSampler
 
@@ -222,9 +227,14 @@ def uneven_generation(model_dir: str) -> float:
     dist.wrap_model(model, "fsdp", torch.device("cpu"))
     sampler = HFSampler(model, load_tokenizer(model_dir), max_new_tokens=3, temperature=1.0, seed=dist.rank())
     with dist.gathered(model):
+        whole = not any(isinstance(p, DTensor) for p in model.parameters())
         for _ in range(1 + dist.rank()):
             sampler.generate([[5, 6, 7]])
-    return dist.all_sum(1.0)
+    model(input_ids=torch.tensor([[5, 6, 7]]))
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    layers = {n for n, _ in model.named_parameters() if ".layers." in n}
+    assert layers and len(layers) < len(list(model.parameters()))  # the root holds weights of its own
+    return {"sum": dist.all_sum(1.0), "whole_inside": whole, "layers": layers, "sharded_after": sharded}
 
 
 def tied_full_state_dict(model_dir: str) -> dict:
@@ -411,7 +421,8 @@ def test_fsdp_master_weights_stay_float32_and_compute_in_bf16(setup):
 
 
 def test_fsdp_ranks_generate_unevenly_without_syncing(setup):
-    assert setup[2]["uneven_generation"] == 2.0
+    got = setup[2]["uneven_generation"]
+    assert got["sum"] == 2.0 and got["whole_inside"] and got["sharded_after"] == got["layers"]
 
 
 def test_fsdp_checkpoint_of_tied_embeddings_holds_them_once(setup):
