@@ -674,6 +674,7 @@ def test_cpu_sampling_draws_from_the_call_seed_and_leaves_the_trainer_rng_alone(
 
 
 def test_a_sampling_call_after_a_greedy_one_starts_from_an_empty_cache_on_cpu(make_sampler):
+    """The cache is emptied once, and not again where a push between them has emptied it already."""
     sampler = make_sampler()
     sampler.on_cpu = True
     sampler.generate([[1]], greedy=True)
@@ -681,6 +682,11 @@ def test_a_sampling_call_after_a_greedy_one_starts_from_an_empty_cache_on_cpu(ma
     sampler.generate([[1]])
     sampler.generate([[1]])
     assert sampler.llm.events == ["generate", "generate", "reset", "generate", "generate"]
+    sampler.llm.events.clear()
+    sampler.generate([[1]], greedy=True)
+    sampler.push_weights(torch.nn.Linear(1, 1))
+    sampler.generate([[1]])
+    assert sampler.llm.events == ["generate", "reload_weights", "reset", "generate"]
 
 
 def test_push_hands_every_weight_and_empties_the_cache(make_sampler, monkeypatch):
