@@ -80,7 +80,7 @@ def stubbed_update_bench(monkeypatch):
     """bench/update_bench.py with its model, rollout and training steps replaced by recorders: 3 trajectories of
     40 tokens, 29 of them policy tokens, in micro-batches of widths 30 (2 rows) and 20 (1 row)."""
     bench = load_bench("update_bench")
-    seen = {"argv": [], "questions": [], "score_kw": [], "sizes": [], "bare_sizes": [], "updates": 0}
+    seen = {"argv": [], "questions": [], "score_kw": [], "sizes": [], "bare_sizes": [], "updates": 0, "training": []}
     real_parse = bench.parse_args
 
     def parse_args(argv, prog):
@@ -95,8 +95,13 @@ def stubbed_update_bench(monkeypatch):
         seen["sizes"].append(size)
         return [[0, 1], [2]]
 
-    def update(*args):
+    def update(cfg, step, policy, *args):
         seen["updates"] += 1
+        seen["training"].append(policy.training)
+
+    def bare_step(policy, opt, ro, size):
+        seen["bare_sizes"].append(size)
+        seen["training"].append(policy.training)
 
     widths = {2: 30, 1: 20}
     fake_train = SimpleNamespace(
@@ -106,13 +111,13 @@ def stubbed_update_bench(monkeypatch):
     monkeypatch.setattr(bench, "train", fake_train)
     monkeypatch.setattr(bench, "parse_args", parse_args)
     monkeypatch.setattr(bench, "load_tokenizer", lambda path: None)
-    monkeypatch.setattr(bench, "load_policy", lambda path: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(bench, "load_policy", lambda path: torch.nn.Linear(1, 1).eval())  # as from_pretrained leaves it
     monkeypatch.setattr(bench, "read_qa", lambda path: [QA(f"q{i}", f"q{i}?", ["a"]) for i in range(20)])
     monkeypatch.setattr(bench, "HFSampler", lambda *args, **kw: None)
     monkeypatch.setattr(bench, "build_retriever", lambda kind, corpus: None)
     monkeypatch.setattr(bench, "get_protocol", lambda protocol, template: None)
     monkeypatch.setattr(bench, "rollout", rollout)
-    monkeypatch.setattr(bench, "bare_step", lambda policy, opt, ro, size: seen["bare_sizes"].append(size))
+    monkeypatch.setattr(bench, "bare_step", bare_step)
     # each round: update, then bare loop; round 0 (warm-up) 1 s + 1 s, then updates 2, 4, 9 s and bare loops 3, 1, 5 s
     steps = [0, 1, 1] + [x for u, b in ((2, 3), (4, 1), (9, 5)) for x in (0, u, b)]
     monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=clock(steps)))
@@ -125,6 +130,7 @@ def test_update_bench_prints_medians_and_bare_over_update_ratio(stubbed_update_b
     bench.main()
     out = capsys.readouterr().out.splitlines()
     assert seen["updates"] == 4  # a warm-up round, then 3 counted
+    assert seen["training"] == [True] * 8  # both timed in training mode, as train.py updates
     # medians: update 4 s (of 2, 4, 9), bare 3 s (of 3, 1, 5); 29 policy tokens
     assert out[-1] == ("train.update: 7 policy tokens/s (4.00s); bare loop: 10 policy tokens/s (3.00s); "
                        "ratio 0.750 (goal >= 0.9), medians of 3")
