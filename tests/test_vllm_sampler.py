@@ -708,6 +708,14 @@ def test_push_hands_every_weight_and_empties_the_cache(make_sampler, monkeypatch
     assert sampler.llm.events == ["reload_weights", "reset"]
 
 
+def test_close_shuts_the_engine_down(make_sampler):
+    """train.py closes the sampler before it leaves the process group, which the engine uses."""
+    sampler = make_sampler()
+    sampler.llm.llm_engine.engine_core = SimpleNamespace(shutdown=lambda: sampler.llm.events.append("shutdown"))
+    sampler.close()
+    assert sampler.llm.events == ["shutdown"]
+
+
 def test_release_sleeps_once_and_the_push_wakes_the_engine(make_sampler, monkeypatch):
     """With sleep mode (GPU): release() drops weights and KV cache (level 2) once; the push wakes
     the weights before loading them and the KV cache after, and sampling works again."""
