@@ -87,6 +87,18 @@ def test_a_new_critic_values_zero_and_a_saved_one_reloads_its_head(byte_tokenize
     assert half(IDS, attn).dtype == torch.float32
 
 
+def test_a_critic_with_master_weights_holds_float32_and_computes_in_the_dtype_asked(byte_tokenizer, tmp_path):
+    """As load_policy's: --master_weights keeps the critic's weights in float32, marked to compute
+    in --dtype; without it they are held in --dtype, with no mark."""
+    make_tiny_llama(byte_tokenizer, seed=2).save_pretrained(tmp_path)
+    master = Critic.from_pretrained(str(tmp_path), "bfloat16", master=True)
+    plain = Critic.from_pretrained(str(tmp_path), "bfloat16")
+    assert {p.dtype for p in master.parameters()} == {torch.float32}
+    assert master.searchlite_compute_dtype == torch.bfloat16
+    assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    assert getattr(plain, "searchlite_compute_dtype", None) is None
+
+
 def test_load_tokenizer_pads_on_the_left_with_eos_where_the_tokenizer_names_no_pad_token(tmp_path):
     """A base model's tokenizer often has no pad token; batched prompts for generation pad on the left."""
     tok = make_byte_tokenizer()
