@@ -133,7 +133,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     mean and (population) variance are over every masked entry of the whole tensor, as
     OpenRLHF whitens REINFORCE++ advantages (R1-Searcher++ eq. 2).
 
-    >>> masked_whiten(torch.tensor([[1.0, 3.0, 7.0]]), torch.tensor([[1, 1, 0]]))
+    >>> masked_whiten(torch.tensor([[1.0, 5.0, 7.0]]), torch.tensor([[1, 1, 0]]))  # mean 3, variance 4
     tensor([[-1.,  1.,  0.]])
     """
     xd = x.double()  # in float32 the mean of equal values can miss them by an ulp, which / sqrt(eps) magnifies

@@ -184,6 +184,10 @@ def test_masked_mean_and_whiten_hand():
     assert masked_mean(x, torch.zeros_like(m)).item() == 0.0
     w = masked_whiten(torch.tensor([[1.0, 3.0, 100.0]]), torch.tensor([[1, 1, 0]]))
     torch.testing.assert_close(w, torch.tensor([[-1.0, 1.0, 0.0]]), atol=ATOL, rtol=0)
+    # a variance other than 1, over both rows: mean 4 of 0, 8, 2, 6; variance (16 + 16 + 4 + 4) / 4 = 10
+    w = masked_whiten(torch.tensor([[0.0, 8.0, 99.0], [2.0, 6.0, -5.0]]), torch.tensor([[1, 1, 0], [1, 1, 0]]))
+    s = 10 ** 0.5
+    torch.testing.assert_close(w, torch.tensor([[-4 / s, 4 / s, 0.0], [-2 / s, 2 / s, 0.0]]), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("x, mask", [
