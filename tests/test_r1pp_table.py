@@ -109,6 +109,18 @@ def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch
     assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
 
 
+def test_a_data_folder_without_its_questions_is_a_one_line_error_naming_the_file(table, world, monkeypatch, tmp_path,
+                                                                                 capsys):
+    run = make_run(tmp_path)
+    (tmp_path / "train.jsonl").unlink()
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err == (
+        f"r1pp_table: no {tmp_path / 'train.jsonl'} (--data names a folder with test.jsonl and train.jsonl)\n")
+
+
 @pytest.mark.parametrize("evaluation", ["step_000000", "step_000002"])  # the first one's questions, and the last's
 def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, world, monkeypatch, tmp_path, capsys,
                                                                       evaluation):
@@ -211,7 +223,7 @@ def make_run(folder):
 
 
 def test_main_prints_each_table_from_the_right_evaluation(table, world, tmp_path, monkeypatch, capsys):
-    """Every number of the four tables, worked out by hand:
+    """The whole output: three tables under their headers and the floors; every number worked out by hand:
     start (step_000000): famous hops a missed, e found: 50%; trained b found: 0%; new c, f found, d
     missed: 33%; q3 lacks d: guessed 1 (EM 0). Famous q1 recalled (1, 1.0); others searched: q2 0,
     q3 0, q4 1 -> (3, 0.333).
@@ -223,20 +235,33 @@ def test_main_prints_each_table_from_the_right_evaluation(table, world, tmp_path
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
     table.main()
     out = capsys.readouterr().out.splitlines()
-    expected = [
+    assert out == [
+        "| run | step | test EM | RC | 1hop EM / RC | 2hop EM / RC | comparison EM / RC | L_M rewrites kept |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         "| run at its start | 0 | 0.500 | 1.00 | 0.500 / 0.50 | 0.500 / 1.50 | — | — |",
         "| run | 2 | 0.500 | 0.75 | 0.000 / 0.50 | 1.000 / 1.00 | — | 3 of 5 |",
+        "",
+        "Hops answered without retrieving their passage (last evaluation), by what the model could know, and the "
+        "questions that did so:",
+        "",
+        "| run | famous hops | hops a training question asks | other hops | questions lacking a training hop's "
+        "passage: n, EM | lacking an other hop's: n, EM |",
+        "|---|---:|---:|---:|---:|---:|",
         "| run at its start, step_000000 | 50% | 0% | 33% | 0, 0.000 | 1, 0.000 |",
         "| run, step_000002 | 100% | 100% | 33% | 1, 1.000 | 1, 0.000 |",
+        "",
+        "Questions answered with no search, and those searched (n, EM; famous: every hop famous):",
+        "",
+        "| run | famous, recalled | famous, searched | other, recalled | other, searched |",
+        "|---|---:|---:|---:|---:|",
         "| run at its start, step_000000 | 1, 1.000 | 0, 0.000 | 0, 0.000 | 3, 0.333 |",
         "| run, step_000002 | 1, 0.000 | 0, 0.000 | 1, 0.000 | 2, 1.000 |",
+        "",
         "fewest retrievals per test question, famous questions from memory: 1.250 (1hop 0.50, 2hop 2.00, "
         "comparison 0.00)",
         "fewest retrievals per test question, famous hops from memory: 1.000 (1hop 0.50, 2hop 1.50, comparison 0.00)",
         "fewest retrievals per test question, famous+train hops from memory: 0.750 (1hop 0.50, 2hop 1.00, "
         "comparison 0.00)"]
-    for line in expected:
-        assert line in out
 
 
 def test_a_run_with_one_evaluation_shows_its_rewrites(table, world, tmp_path, monkeypatch, capsys):
