@@ -69,11 +69,21 @@ def test_memory_bench_child_reports_mib_optimizer_state_and_trainable_params(mem
     assert json.loads((tmp_path / "gpu.json").read_text())["cuda_peak_mib"] == 3072.0
 
 
-def test_memory_bench_random_model_rounds_mlp_up_to_64_and_ties_embeddings(memory_bench, tmp_path):
+def test_memory_bench_random_model_rounds_mlp_up_to_64_ties_embeddings_and_holds_a_tokenizer(memory_bench, tmp_path):
+    """The toy tokenizer is saved beside the weights, where train.py loads it from; the same spec
+    gives the same weights whatever torch's RNG held, so variants and reruns measure one model."""
+    import torch
+
+    from searchlite.models import load_tokenizer
+
     path = memory_bench.random_model("random:128x1", tmp_path / "m")
     cfg = json.loads((Path(path) / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (128, 1, 384)  # 341 -> 384
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (2, 2, True)
+    assert len(load_tokenizer(path)) == cfg["vocab_size"]
+    torch.manual_seed(123)
+    again = memory_bench.random_model("random:128x1", tmp_path / "again")
+    assert (Path(again) / "model.safetensors").read_bytes() == (Path(path) / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("spec, message", [("random:96x1", "multiple of 64"), ("random:128x1x", "expected a folder"),
