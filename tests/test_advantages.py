@@ -176,6 +176,14 @@ def test_group_hand_case_unbiased_std():
     torch.testing.assert_close(adv[0], torch.tensor(2 / math.sqrt(3), dtype=f64), atol=1e-5, rtol=0)
 
 
+def test_group_of_two_hand_case():
+    # group [1, 0] (the smallest group, the test runs' --group 2): mean 1/2, unbiased std sqrt(2 (1/2)^2 / 1)
+    # = 1/sqrt(2), so +-(1/2) / (1/sqrt(2)) = +-1/sqrt(2); [3, 3] is one value, 0
+    adv = group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=f64), group=2)
+    s = 1 / math.sqrt(2) + 1e-6
+    torch.testing.assert_close(adv, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0], dtype=f64), atol=ATOL, rtol=0)
+
+
 def test_group_no_std():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], dtype=f64), 3, norm_std=False)
     expected = torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3], dtype=f64)
