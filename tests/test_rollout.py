@@ -335,6 +335,7 @@ def test_hf_sampler_stops_each_row_at_the_model_context(byte_tokenizer):
     assert outs[0] == sampler.generate(prompts[:1], greedy=True)[0]
     with pytest.raises(RuntimeError, match="context of 100 positions; shorten the prompt"):
         sampler.generate([[7] * 100])
+    assert [len(o) for o in sampler.generate([[7] * 99], greedy=True)] == [1]  # its last position: one token
     model.config.max_position_embeddings = len(encode_prompt(tok, P, "who?")) + 20
     ro = rollout(HFSampler(model, tok, max_new_tokens=12), FakeRetriever(), tok, P, ["who?"], max_turns=3, topk=1, max_len=4096, greedy=True)
     assert ro.turns.tolist() == [1] and int(ro.loss_mask[0].nonzero().max()) < model.config.max_position_embeddings

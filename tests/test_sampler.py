@@ -140,6 +140,7 @@ def test_seeds_resume_greedy_calls_do_not_count_and_the_caller_rng_is_untouched(
     rng = torch.get_rng_state()
     first = a.generate(prompts)
     assert torch.equal(torch.get_rng_state(), rng)  # the trainer's RNG is left alone
+    assert a.state_dict() == {"calls": 1}  # a sampling call counts
     a.generate(prompts, greedy=True)  # an evaluation between rollouts
     state = a.state_dict()
     second = a.generate(prompts)
