@@ -65,11 +65,17 @@ def test_comparison_looks_up_both_years_and_compares():
 
 
 def test_a_guess_answers_at_once_with_a_value_of_the_same_kind():
+    """A year for a year, a name for a name, from the values the teacher's questions hold."""
     q = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
     other = QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", False)]})
-    teacher = Teacher(TOK, PP, [q, other], seed=0, **(EXACT | {"p_guess": 1.0}))
-    response, n = play(teacher, q.question)
-    assert n == 0 and "<|begin_internal_answer|>" in response and answer(response) in ("1801", "1799")
+    named = QA("7", "Who founded Kova Works?", ["Lira Dun"], {"type": "1hop",
+                                                              "hops": [hop("Kova Works", "Lira Dun", False)]})
+    place = QA("8", "Where was Lira Dun born?", ["Tesk"], {"type": "1hop", "hops": [hop("Lira Dun", "Tesk", False)]})
+    for seed in range(4):
+        teacher = Teacher(TOK, PP, [q, other, named, place], seed=seed, **(EXACT | {"p_guess": 1.0}))
+        for question, kind in ((q, {"1801", "1799"}), (named, {"Lira Dun", "Tesk"})):
+            response, n = play(teacher, question.question)
+            assert n == 0 and "<|begin_internal_answer|>" in response and answer(response) in kind, seed
 
 
 def test_a_stop_after_the_first_hop_answers_the_bridge():
