@@ -877,7 +877,8 @@ def test_the_kernel_scan_guard_sets_aside_globals_vars_cannot_read_and_puts_them
         warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
         warnings.warn("another warning", FutureWarning)
     assert vars(module)["odd"] is odd
-    assert [str(w.message) for w in recwarn] == ["another warning"]
+    shown = [str(w.message) for w in recwarn]
+    assert "another warning" in shown and not any("reduce_op" in m for m in shown)
     with pytest.raises(RuntimeError, match="the engine failed"), _kernel_scan_guard(True):
         assert "odd" not in vars(module)
         raise RuntimeError("the engine failed")
