@@ -337,6 +337,7 @@ def test_ceiling_trains_cumulative_epochs_and_tallies_the_test_set(recall, monke
 CANNED = {"drawn": [{"em": 1.0, "searches": 0}, {"em": 0.0, "searches": 0}, {"em": 1.0, "searches": 1},
                     {"em": 0.0, "searches": 2}],
           "control": [{"em": 0.0, "searches": 1}]}
+CANNED_CELLS = "50.0% | 0.500 | 25.0% | 0.500 | 0.0% | 0.000 | 0.0% | 0.000"  # CANNED's row, drawn then never drawn
 
 
 def test_main_answers_each_run_with_its_own_config_and_prints_its_row(recall, monkeypatch, capsys):
@@ -356,7 +357,7 @@ def test_main_answers_each_run_with_its_own_config_and_prints_its_row(recall, mo
     assert asked == [("r1/checkpoint/policy", 2, 2, 4), ("r2/checkpoint/policy", 2, 2, 6)]
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("2 non-famous training questions drawn by seed 0 (2 steps x 8), 2 never drawn")
-    assert "| r1 | 50.0% | 0.500 | 25.0% | 0.500 | 0.0% | 0.000 | 0.0% | 0.000 |" in out
+    assert f"| r1 | {CANNED_CELLS} |" in out
 
 
 def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
@@ -389,16 +390,15 @@ def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "false", "--sft_epochs", "3,1,3"])
     recall.main()
     assert asked == [[1, 3]]
-    cells = "50.0% | 0.500 | 25.0% | 0.500 | 0.0% | 0.000 | 0.0% | 0.000"  # CANNED's, as in the test above
     row = "1, 100.0%, 1.000 | 3, 0.0%, 0.250"
     assert capsys.readouterr().out.splitlines() == [
         "1 non-famous training questions drawn by seed 0 (1 steps x 1), 1 never drawn",
         "| model | drawn: no search | its EM | right with no search | EM | never drawn: no search | its EM "
         "| right with no search | EM |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| r | {cells} |",
-        f"| start + 1 epochs of SFT on the drawn answers | {cells} |",
-        f"| start + 3 epochs of SFT on the drawn answers | {cells} |",
+        f"| r | {CANNED_CELLS} |",
+        f"| start + 1 epochs of SFT on the drawn answers | {CANNED_CELLS} |",
+        f"| start + 3 epochs of SFT on the drawn answers | {CANNED_CELLS} |",
         "",
         "Held-out test set after that SFT; questions sharing a fact: one of their non-famous hops is a hop of a "
         "drawn question. Fewest retrievals per test question with every famous hop recalled: 1.000; and every "
