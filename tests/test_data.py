@@ -255,8 +255,19 @@ def test_write_read_round_trip(tmp_path):
     with gzip.open(tmp_path / "sub" / "q.jsonl.gz", "rt", encoding="utf-8") as f:  # really gzipped
         assert json.loads(f.readline()) == {"id": "q1", "question": "Where?", "golden_answers": ["Paris", "France"],
                                             "type": "bridge", "supporting": [1, 2]}
+    raw = (tmp_path / "sub" / "q.jsonl.gz").read_bytes()  # its header names the file (gunzip -N), not a temporary
+    assert raw[3] & 8 and raw[10:].split(b"\0")[0] == b"q.jsonl"
     assert "Zoë" in (tmp_path / "sub" / "q.jsonl").read_text(encoding="utf-8")  # not ASCII-escaped
     assert not list((tmp_path / "sub").glob("*.tmp"))
+
+
+def test_an_os_error_reads_path_and_reason_only_when_it_has_both():
+    from searchlite.data import os_error_text
+
+    assert os_error_text(FileNotFoundError(2, "No such file or directory", "c.jsonl")) == \
+        "c.jsonl: No such file or directory"
+    assert os_error_text(OSError(28, "No space left on device")) == "[Errno 28] No space left on device"
+    assert os_error_text(PermissionError("c.jsonl is read-only")) == "c.jsonl is read-only"
 
 
 def test_qa_to_dict_meta_cannot_override_core_fields():
