@@ -4,6 +4,7 @@ rewrite data for memorization, the zero weight of L_M at mu = 0, and stage 1 / s
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -394,11 +395,11 @@ def test_rewrite_data_have_no_documents_and_no_search_results(byte_tokenizer):
     mem, tried = r1pp.memorization_batch(sampler, tok, PP, template, ro, questions, chat_template=False)
     assert tried == 7  # one rewrite per correct rollout that searched
     assert all(p.count("The capital of Fooland is Paris.") == 1 for p in sampler.prompts)  # documents in context, once
-    assert len(mem) == 1 and mem.answers == ["paris"] and mem.searches.tolist() == [0]
+    assert len(mem) == 1 and mem.answers == ["paris"] and mem.searches.tolist() == [0] and mem.turns.tolist() == [1]
     ids, lm = mem.input_ids[0][mem.attention_mask[0].bool()], mem.loss_mask[0][mem.attention_mask[0].bool()]
     prompt = encode_prompt(tok, PP, "q-good", chat_template=False)
     assert ids[:len(prompt)].tolist() == prompt and not lm[:len(prompt)].any()  # the plain prompt, untrained
-    assert lm[len(prompt):].all()
+    assert lm[len(prompt):].eq(1).all()  # loss-mask 1, as sampled tokens carry
     assert "Fooland" not in tok.decode(ids)  # no document anywhere in the trajectory
     trained = ids[lm.bool()].tolist()
     for tag in (PP.info_open, PP.info_close, "<|begin_external_search|>", "<|end_external_search|>"):
@@ -542,15 +543,19 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatc
     out = tmp_path / "s1"
     small = ["--sft_questions", "6", "--group", "2", "--batch_size", "6", "--sft_batch_size", "4", "--sft_rewrites", "2",
              "--sft_epochs", "2"]
-    trained, real_sft = [], sft.sft
+    trained, losses, real_sft = [], [], sft.sft
 
     def sft_spy(model, input_ids, loss_mask, **kw):
         trained.append((input_ids, loss_mask))
-        return real_sft(model, input_ids, loss_mask, **kw)
+        losses.extend(real_sft(model, input_ids, loss_mask, **kw))
+        return losses
 
     monkeypatch.setattr(sft, "sft", sft_spy)
+    t0 = time.time()
     r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(out), *small])
     counts = json.loads((out / "stage1.json").read_text())
+    assert 0 < counts["seconds"] <= time.time() - t0 and counts["sft_first_loss"] == losses[0]
+    assert counts["sft_loss"] == pytest.approx(sum(losses[-20:]) / len(losses[-20:]), rel=1e-12)  # the last 20 steps'
     assert counts["sampled"] == 12 and 0 < counts["kept"] <= counts["correct"] <= counts["well_formed"]
     printed = capsys.readouterr().out.splitlines()  # the counts as they come, and where the model went
     sampling = {k: v for k, v in counts.items() if k not in ("t_sample", "rewrite_demos") and not k.startswith(
@@ -962,15 +967,22 @@ def test_rewrite_template_needs_both_placeholders(tmp_path, monkeypatch):
 
 def test_memorization_batch_counts_its_rewrites_when_none_is_kept(byte_tokenizer):
     """mem_tried counts the rewrites asked for, kept or not: 2 correct searched rollouts whose
-    rewrites are both refused give (None, 2), so the metrics show 2 tried and 0 kept."""
+    rewrites are both refused give (None, 2), so the metrics show 2 tried and 0 kept; with no
+    correct rollout that searched, none is asked for: (None, 0)."""
     doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
 
     ro = _Fake([(searched("paris"), "paris", 1), (searched("paris"), "paris", 1)], docs=[[doc], [doc]])
     sampler = ScriptedSampler(byte_tokenizer, {"q-a": ["The documents say " + internal("paris")],
                                                "q-b": [internal("lyon")]})
+    questions = [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])]
     mem, tried = r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), ro,
-                                         [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])], chat_template=False)
+                                         questions, chat_template=False)
     assert mem is None and tried == 2
+    wrong_or_unsearched = _Fake([(searched("lyon"), "lyon", 1), (internal("paris"), "paris", 0)], docs=[[doc], []])
+    asked = len(sampler.prompts)
+    assert r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), wrong_or_unsearched,
+                                   questions, chat_template=False) == (None, 0)
+    assert len(sampler.prompts) == asked
 
 
 def test_memorization_backward_without_rows_reports_no_loss(tiny_llama, byte_tokenizer):
