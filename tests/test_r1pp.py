@@ -900,7 +900,9 @@ def test_logged_questions_reads_the_last_whole_batch_line(tmp_path):
     assert r1pp.logged_questions(log, fields) == 0
     r1pp.open_sampling_log(log, fields, resume=False)
     assert r1pp.logged_questions(log, fields) == 0
-    append_log(log, [{"next": 4, "rows": []}, {"next": 8, "rows": []}])
+    append_log(log, [{"next": 4, "rows": []}])
+    assert r1pp.logged_questions(log, fields) == 4  # the first batch, on line 2
+    append_log(log, [{"next": 8, "rows": []}])
     with open(log, "a") as f:
         f.write('\n{"next": 12, "ro')  # a blank line, then a line the interrupt cut short
     assert r1pp.logged_questions(log, fields) == 8
