@@ -1181,9 +1181,11 @@ def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judge
     err = capsys.readouterr().err
     assert "held no verdict" not in err and "the judge endpoint refused 1 of 2 requests, which count as False" in err
     assert len(JudgeHandler.seen) == 2  # a refused request is not retried
-    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: 401 if "LONG" in prompt else False))
-    with pytest.raises(JudgeError, match=r"refused the request.*HTTP 401.*read from \$TEST_JUDGE_KEY, which is not set"):
-        judge.score(recs)  # a key or endpoint fault still stops the run
+    for auth in (401, 403):  # unauthorized, forbidden: a key fault still stops the run, naming the key's variable
+        monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: auth if "LONG" in prompt else False))
+        with pytest.raises(JudgeError, match=rf"refused the request.*HTTP {auth}.*read from \$TEST_JUDGE_KEY, which is "
+                                             "not set"):
+            judge.score(recs)
 
 
 @pytest.mark.parametrize("status", [429, 500])
