@@ -181,16 +181,17 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     # stage 1's rewrite demonstrations (toy world): only the kept trajectory that searched gives one
     template = r1pp.rewrite_template(PP, "toy")
     demos = r1pp.rewrite_demos(kept, asked, tok, PP, template, internal, n=5, chat_template=False)
-    assert len(demos) == 1 and demos.searches.tolist() == [0] and demos.answers == ["paris"]
+    assert len(demos) == 1 and demos.searches.tolist() == [0] and demos.turns.tolist() == [1]
+    assert demos.answers == ["paris"]
     ids, lm = demos.input_ids[0][demos.attention_mask[0].bool()], demos.loss_mask[0][demos.attention_mask[0].bool()]
     prompt = r1pp.rewrite_prompt(tok, PP, template, "q-search", kept.docs[1], chat_template=False)
     assert ids[:len(prompt)].tolist() == prompt and not lm[:len(prompt)].any()
     assert tok.decode(prompt).count("Paris is the capital of France.") == 1  # its passage, in the prompt only
-    assert tok.decode(ids[lm.bool()]) == internal("paris")  # every response token trained
+    assert tok.decode(ids[lm.bool()]) == internal("paris") and lm[len(prompt):].eq(1).all()  # every response token
     assert r1pp.keep_rewrite(internal("paris"), ["Paris"], PP)  # what stage 2 keeps from the rewrite model
-    title = "Notes from Underground"  # a giveaway word inside the answer itself is no giveaway
-    assert r1pp.keep_rewrite(internal(title), [title], PP)
-    assert not r1pp.keep_rewrite("My notes say so. " + internal(title), [title], PP)
+    for title in ("Notes from Underground", "Field Notes"):  # a giveaway word inside the answer itself, at its
+        assert r1pp.keep_rewrite(internal(title), [title], PP)  # start or its end, is no giveaway
+        assert not r1pp.keep_rewrite("My notes say so. " + internal(title), [title], PP)
     # a gold inside a giveaway word excuses nothing (they were cut from the text before the check)
     for said, gold in [("From the notes, ", "no"), ("The documents list five ", "men"), ("Doc 2 says ", "2"),
                        ("According to the context, ", "yes")]:
@@ -734,13 +735,17 @@ def test_stage1_with_a_vllm_that_does_not_import_is_one_line_and_changes_no_file
     assert not (tmp_path / "s1").exists()
 
 
-def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys):
+def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys, monkeypatch):
     with pytest.raises(SystemExit, match=r"does not read --lr \(it reads: --out_dir, --resume, .*--sft_lr"):
         r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr
     with pytest.raises(SystemExit):
         r1pp.main(["stage1", "--help"])
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
     assert listed == {f"--{name}" for name in r1pp.STAGE1_FIELDS} and "--lr" not in listed
+    monkeypatch.setattr("sys.argv", ["r1pp.py", "stage1", "--help"])  # no argv: the command line's, after its name
+    with pytest.raises(SystemExit):
+        r1pp.main()
+    assert "  --sft_lr" in capsys.readouterr().out
     r1pp.main(["--help"])  # the module's own help: on stdout, and no error exit
     assert capsys.readouterr().out == r1pp.USAGE + "\n"
     with pytest.raises(SystemExit) as bare:  # no command: the usage, as an error
