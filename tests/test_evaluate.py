@@ -1202,6 +1202,8 @@ def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch, stat
     with pytest.raises(JudgeError, match=re.escape(f"failed the request every time (busy, or a server error) "
                                                    f"(2 attempt(s)): HTTP {status}")):
         Judge(judge_server, "m", retries=1, backoff=0.0).score(recs)
+    with pytest.raises(JudgeError, match=re.escape(f"(1 attempt(s)): HTTP {status}")):  # the start-up check: at once
+        Judge(judge_server, "m", retries=3, backoff=0.0).check()
 
 
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
