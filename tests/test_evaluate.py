@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+import types
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -1204,6 +1205,11 @@ def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch, stat
         Judge(judge_server, "m", retries=1, backoff=0.0).score(recs)
     with pytest.raises(JudgeError, match=re.escape(f"(1 attempt(s)): HTTP {status}")):  # the start-up check: at once
         Judge(judge_server, "m", retries=3, backoff=0.0).check()
+    waits = []  # the backoff doubles: 0.5 s, 1 s, 2 s before the three retries
+    monkeypatch.setattr("searchlite.judge.time", types.SimpleNamespace(sleep=waits.append))
+    with pytest.raises(JudgeError, match=re.escape(f"(4 attempt(s)): HTTP {status}")):
+        Judge(judge_server, "m", retries=3, backoff=0.5).score(recs)
+    assert waits == [0.5, 1.0, 2.0]
 
 
 def test_judge_prompt_is_replaceable(judge_server, tmp_path):
