@@ -217,6 +217,8 @@ def test_average_is_unweighted_over_datasets():
     judged = {"all": {"em": 0.0, "judge": 1.0, "f1": 0.25, "n": 2}}
     assert average({"x": {"rag": judged}, "y": {"rag": b}}) == {"rag": {"em": 0.0, "f1": 0.375, "n": 5}}
     assert average({"x": {"rag": b}, "y": {"rag": judged}}) == {"rag": {"em": 0.0, "f1": 0.375, "n": 5}}
+    # a method run on one dataset only: that dataset's numbers
+    assert average({"x": {"rag": a, "direct": b}, "y": {"rag": b}})["direct"] == {"em": 0.0, "f1": 0.5, "n": 3}
 
 
 def test_prompt_sets(tmp_path):
