@@ -74,6 +74,10 @@ def test_each_epoch_draws_another_batch_order_and_the_lr_follows_the_documented_
     assert lrs == pytest.approx(want, rel=1e-12) and max(lrs) == pytest.approx(0.5 * 0.556, abs=1e-3)
     assert lrs[0] == pytest.approx(0.5 / 20) and lrs[-1] > 0
     assert len(orders) == 4 and orders[0] != orders[1]
+    lrs.clear()  # warmup 0: none, the cosine from the first step
+    sft(make_tiny_llama(byte_tokenizer), ids, mask, attention_mask=attention, lr=0.5, batch_size=4, warmup=0,
+        progress=False)
+    assert lrs == pytest.approx([0.5 * 0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)], rel=1e-12)
 
 
 def test_weight_decay_reaches_the_optimizer(byte_tokenizer):
@@ -223,9 +227,10 @@ def test_left_padded_rows_are_refused(byte_tokenizer):
     from conftest import make_tiny_llama
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8]])
-    with pytest.raises(ValueError, match="right-padded"):
-        sft(make_tiny_llama(byte_tokenizer), ids, torch.tensor([[0, 0, 1, 1, 1, 1]]),
-            attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]), progress=False)
+    for attention in ([[0, 0, 1, 1, 1, 1]], [[1, 1, 0, 1, 1, 1]]):  # padded on the left, or inside the row
+        with pytest.raises(ValueError, match="right-padded"):
+            sft(make_tiny_llama(byte_tokenizer), ids, torch.tensor(attention), attention_mask=torch.tensor(attention),
+                progress=False)
 
 
 def test_sft_loss_over_no_trained_token_is_zero_with_a_zero_gradient(byte_tokenizer):
