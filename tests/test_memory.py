@@ -554,12 +554,13 @@ def test_a_cpu_run_reuses_freed_blocks_instead_of_faulting_them_in_again():
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens"])
+@pytest.mark.parametrize("targets", ["q_proj,lm_head", "q_proj,embed_tokens", "q_proj,v_proj"])
 def test_merging_an_adapter_on_the_embeddings_gives_the_trained_model(tmp_path, byte_tokenizer, targets, tie):
     """With tied embeddings, a LoRA on lm_head (or embed_tokens) trains that use of the shared matrix
     alone; the merged model (what evaluate.py and `memory merge` load) gives the adapter model's
     logits, also after save_pretrained and a reload, instead of changing the other use too. Untied
-    embeddings keep their own two matrices, and the merge gives the adapter model's logits too."""
+    embeddings keep their own two matrices, and the merge gives the adapter model's logits too; an
+    adapter on neither leaves tied embeddings tied."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     base = make_tiny_llama(byte_tokenizer, hidden=32, layers=1, tie=tie)
@@ -575,6 +576,7 @@ def test_merging_an_adapter_on_the_embeddings_gives_the_trained_model(tmp_path, 
         merged = load_merged(tmp_path / "adapter", base=str(tmp_path / "base"))
         assert (want - LlamaForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits).abs().max() > 0.1
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        assert merged.config.tie_word_embeddings == (tie and targets == "q_proj,v_proj")
         merged.save_pretrained(tmp_path / "merged")
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         torch.testing.assert_close(again(input_ids=ids).logits, want, atol=1e-5, rtol=0)
