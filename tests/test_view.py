@@ -255,12 +255,13 @@ def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch)
         "<|begin_internal_answer|> I know it. <|end_internal_answer|> \\boxed{Lyon}",  # well formed, wrong: 0 + 0
         "<|begin_internal_answer|> I know it. \\boxed{Paris}",  # a span never closed: -2 + 1 (EM 1)
         "I do not know.",  # no answer: -2 + 0
-    ]
+        "<|begin_internal_answer|> I know it. <|end_internal_answer|> \\boxed{Paris}",  # 0 + 1 (EM 1)
+    ]  # five, an odd count: each is scored on its own (no R_group, so no groups of two or more)
     real = searchlite.rollout.rollout
 
     def rollout(*args, **kwargs):
         ro = real(*args, **kwargs)
-        return dataclasses.replace(ro, responses=written, answers=["the city of Paris", "Lyon", "Paris", None])
+        return dataclasses.replace(ro, responses=written, answers=["the city of Paris", "Lyon", "Paris", None, "Paris"])
 
     shown = {}
     monkeypatch.setattr(searchlite.rollout, "rollout", rollout)
@@ -268,7 +269,7 @@ def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch)
         rewards=rewards, title=title))
     qa = tmp_path / "qa.jsonl"
     qa.write_text("".join(json.dumps({"id": str(i), "question": f"q{i}?", "golden_answers": ["Paris"]}) + "\n"
-                          for i in range(4)))
+                          for i in range(5)))
     run = tmp_path / "run"
     shutil.copytree(TOY_DIR / "model", run / "checkpoint" / "policy")
     config = {"protocol": "r1_searcher_pp", "template": "toy", "reward": "r1pp"}
@@ -276,10 +277,10 @@ def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch)
     argv = ["--model", str(run), "--data", str(qa), "--max_turns", "0", "--max_new_tokens", "4", "--greedy",
             "--out", str(tmp_path / "v.html")]
     searchlite.view.main(argv)
-    assert shown["rewards"] == [1.0, 0.0, -1.0, -2.0] and "R_format + R_answer" in shown["title"]
+    assert shown["rewards"] == [1.0, 0.0, -1.0, -2.0, 1.0] and "R_format + R_answer" in shown["title"]
     (run / "config.json").write_text(json.dumps({**config, "reward": "em"}))  # an EM run: exact match, as before
     searchlite.view.main(argv)
-    assert shown["rewards"] == [0.0, 0.0, 1.0, 0.0] and "exact match" in shown["title"]
+    assert shown["rewards"] == [0.0, 0.0, 1.0, 0.0, 1.0] and "exact match" in shown["title"]
 
 
 def test_a_page_is_written_in_utf8_under_an_ascii_locale(tmp_path):
