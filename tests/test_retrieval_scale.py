@@ -604,6 +604,7 @@ def test_ivfpq_lists_fit_the_training_sample():
         nlist = int(re.match(r"IVF(\d+),PQ", faiss_factory("ivfpq", 768, n))[1])
         assert 39 * nlist <= trained_on
     assert faiss_factory("ivfpq", 768, 21_000_000) == "IVF2564,PQ96"
+    assert faiss_factory("ivfpq", 768, 150_000) == "IVF1549,PQ96"  # 4 sqrt(n), below the sample's 75,000 // 39
 
 
 def test_search_params_default_follows_the_factory_string(tmp_path, encoder):
@@ -650,6 +651,7 @@ def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp
         checked_faiss("IVF262144,Flat", None, 32, 21_000_000)  # wiki-18's sample: refused before 21M encodings
     assert checked_faiss("hnsw", "efSearch=16", 32, 450) == ("HNSW32,Flat", "efSearch=16")
     assert checked_faiss("IVF8,Flat", None, 32, 450) == ("IVF8,Flat", "nprobe=64")
+    assert checked_faiss("IVF8,Flat", "nprobe=1", 32, 450) == ("IVF8,Flat", "nprobe=1")  # the least positive count
 
 
 def test_a_dense_build_removes_only_its_own_shard_files(tmp_path, encoder):
