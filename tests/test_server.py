@@ -128,6 +128,14 @@ class NoHits:
         return [[] for _ in queries]
 
 
+def test_make_app_takes_a_default_topk_of_1_to_100_only():
+    for topk in (1, 100):
+        make_app(NoHits(), default_topk=topk)
+    for topk in (0, 101):
+        with pytest.raises(ValueError, match=rf"^default_topk must be 1\.\.100, got {topk}$"):
+            make_app(NoHits(), default_topk=topk)
+
+
 def test_health_of_a_retriever_without_a_passage_count_says_null():
     with TestClient(make_app(NoHits())) as client:
         reply = client.get("/health")
