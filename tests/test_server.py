@@ -204,7 +204,7 @@ def test_a_batcher_that_dies_of_an_error_logs_it_once_and_the_next_request_resta
     assert logged == [("the search batcher stopped; the next request restarts it", ValueError)]
 
 
-def test_stop_cancels_the_batcher_running_on_this_loop():
+def test_stop_cancels_the_batcher_running_on_this_loop(caplog):
     async def started_then_stopped():
         batcher = Batcher(NoHits(), wait=0, max_batch=8)
         batcher.stop()  # never started: nothing to cancel
@@ -214,6 +214,7 @@ def test_stop_cancels_the_batcher_running_on_this_loop():
         return batcher.task.cancelled()
 
     assert asyncio.run(started_then_stopped())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a stop is no failure to report
 
 
 def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
