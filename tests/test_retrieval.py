@@ -6,6 +6,7 @@ import math
 import re
 import threading
 import time
+import types
 from http.server import ThreadingHTTPServer
 
 import numpy as np
@@ -418,10 +419,14 @@ def test_http_client_names_the_server_of_a_reply_it_cannot_read(server, result, 
         HTTPRetriever(_url(server), retries=0).search(["q"], k=1)
 
 
-def test_http_client_retries_server_errors(server):
+def test_http_client_retries_server_errors(server, monkeypatch):
+    """Each retry waits twice as long as the one before: 0.5 s, then 1 s with a 0.5 s backoff."""
+    waits = []
+    clock = types.SimpleNamespace(sleep=waits.append, monotonic=time.monotonic)
+    monkeypatch.setattr("searchlite.retrieval.time", clock)
     server.fail_first = 2
-    out = HTTPRetriever(_url(server), retries=3, backoff=0.01).search(["what causes ocean tides"], k=1)
-    assert out[0][0].id == "v8" and len(server.requests) == 3
+    out = HTTPRetriever(_url(server), retries=3, backoff=0.5).search(["what causes ocean tides"], k=1)
+    assert out[0][0].id == "v8" and len(server.requests) == 3 and waits == [0.5, 1.0]
 
 
 def test_http_client_retries_a_429(server):
