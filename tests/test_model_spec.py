@@ -316,6 +316,22 @@ def test_a_relative_path_of_a_run_stays_as_typed_where_the_runs_folder_lacks_it(
     assert args.data == "data/q.jsonl" and args.corpus == str(tmp_path / "data" / "c.jsonl")
 
 
+@pytest.mark.parametrize("out_dir", ["ABSOLUTE", "runs/y"])
+def test_a_relative_path_stays_as_typed_where_the_folder_the_run_started_in_is_unknown(tmp_path, out_dir):
+    """The run's folder less its --out_dir as typed is where train.py ran. With an absolute --out_dir,
+    or a run moved since (its folder no longer ends in that out_dir), that folder is unknown: a
+    relative path stays as typed, not read from some folder above the run's."""
+    run = tmp_path / "project" / "runs" / "x"
+    run.mkdir(parents=True)
+    out_dir = str(run) if out_dir == "ABSOLUTE" else out_dir
+    (run / "config.json").write_text(json.dumps({"out_dir": out_dir, "corpus": "c.jsonl"}))
+    for folder in (tmp_path, tmp_path / "project", run.parent):  # a c.jsonl in each folder above the run
+        (folder / "c.jsonl").write_text("")
+    args = argparse.Namespace(corpus=None)
+    model_spec.fill_run_settings(args, run / "config.json", {"corpus": "toy/corpus.jsonl"})
+    assert args.corpus == "c.jsonl"  # as typed: none of the three is taken
+
+
 def test_a_config_json_without_both_prompt_settings_is_no_runs(tmp_path):
     """Only a config.json with both "protocol" and "template" (as a dict) is a train.py run's: a model
     folder whose config.json has one of them, or holds no object, is a model folder."""
