@@ -1957,6 +1957,15 @@ def test_rag_searches_a_retrieval_server_and_run_json_names_it(world, tmp_path, 
         out, f"retriever: {retrieval_server!r} -> {other!r}")
 
 
+def test_an_encoder_beside_a_retrieval_server_is_refused_not_ignored(world, tmp_path, retrieval_server):
+    """A server encodes queries with its own encoder (retrieve.py serve --encoder): --encoder given with
+    --retriever_url would change nothing, so it is refused, as --pooling and --query_prefix are."""
+    assert refusal(one_set(world, tmp_path / "out", "--methods", "rag", "--topk", "2",
+                           "--retriever_url", retrieval_server, "--encoder", "e5")) == (
+        "error: encoder 'e5': only a dense retriever encodes queries (a server has its own: retrieve.py serve "
+        "--encoder, --query_prefix), not retriever kind 'http'")
+
+
 def test_a_server_that_refuses_the_topk_stops_the_run_before_the_model_loads(world, tmp_path, retrieval_server,
                                                                              monkeypatch):
     """A server that answers topk 1 but refuses --topk 3 is found at start-up, not at the first batch."""
