@@ -719,7 +719,8 @@ def test_nan_guard_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch, algo
 
 def test_a_resume_names_a_damaged_log_before_loading_and_passes_over_stray_files(tiny_model, tmp_path, monkeypatch):
     """A NaN in metrics.jsonl (which json.dumps wrote for a NaN kl) stopped --resume with a DataError
-    traceback after the models had loaded; a file of another name in eval/ with a TypeError."""
+    traceback after the models had loaded; a file of another name in eval/ with a TypeError. A run
+    that starts fresh there does not read the log: it sets it aside."""
     out = tmp_path / "run"
     train.main(args(tiny_model, out, "grpo", steps=1))
     rows = (out / "metrics.jsonl").read_text().splitlines()
@@ -729,6 +730,11 @@ def test_a_resume_names_a_damaged_log_before_loading_and_passes_over_stray_files
     with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(out / 'metrics.jsonl'))}:2: bad JSON: NaN is not"):
         train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
     monkeypatch.setattr(train, "load_policy", load)
+    fresh = tmp_path / "fresh"  # without --resume the damaged log is not read: it is set aside, as it is
+    shutil.copytree(out, fresh)
+    train.main(args(tiny_model, fresh, "grpo", steps=1))
+    assert (fresh / "metrics.previous.jsonl").read_bytes() == (out / "metrics.jsonl").read_bytes()
+    assert [r["step"] for r in metrics(fresh)] == [0, 1]
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     (out / "eval" / "step_best.jsonl").write_text("")  # a user's file
     train.main(args(tiny_model, out, "grpo", steps=2, extra=["--resume"]))
