@@ -259,7 +259,8 @@ def test_scoring_passes_run_in_eval_mode_and_the_update_in_training_mode(tiny_mo
                                                                         varied_reward):
     """Each step scores old log-probs, reference log-probs and values with dropout off (eval mode),
     then updates policy and critic in training mode, where transformers' --grad_checkpointing
-    recomputes; both switches happen every step, as evaluation and sampling leave eval mode."""
+    recomputes; both switches happen every step, as evaluation and sampling leave eval mode. With
+    --kl_coef 0 there is no reference model, so no pass scores with one."""
     modes = []
     score, step = train.score_tokens, train.update
 
@@ -275,6 +276,9 @@ def test_scoring_passes_run_in_eval_mode_and_the_update_in_training_mode(tiny_mo
     monkeypatch.setattr(train, "update", update)
     train.main(args(tiny_model, tmp_path / "run", "ppo", steps=2))
     assert modes == [("logp", False), ("logp", False), ("values", False), ("update", True, True)] * 2
+    modes.clear()
+    train.main(args(tiny_model, tmp_path / "no_kl", "ppo", steps=1, extra=["--kl_coef", "0"]))
+    assert modes == [("logp", False), ("values", False), ("update", True, True)]  # no reference to score
 
 
 def test_each_metrics_row_is_on_disk_before_the_next_step_begins(tiny_model, tmp_path, monkeypatch):
