@@ -450,6 +450,8 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
     printed = capsys.readouterr().out
     assert "already at step 2 of --steps 1: nothing to train" in printed and "holds the step-2 model" in printed
     assert json.loads((out / "config.json").read_text())["steps"] == 2  # the run's settings, not this no-op's
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--kl_coef", "0.01"]))
+    assert "already at step 2 of --steps 2: nothing to train" in capsys.readouterr().out  # a finished run resumed
 
 
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
@@ -596,7 +598,7 @@ def test_metrics_hold_one_row_a_step_after_a_rerun_or_an_interrupt(tiny_model, t
     checkpoint and resumed logs the steps it redoes once, not twice."""
     out, before = tmp_path / "run", signal.getsignal(signal.SIGINT)
     train.main(args(tiny_model, out, "grpo", steps=1))
-    assert "holds a checkpoint" not in capsys.readouterr().out
+    assert "earlier run" not in capsys.readouterr().out  # a new folder: nothing to set aside, no note
     first, config = (out / "metrics.jsonl").read_text(), (out / "config.json").read_text()
     weights = (out / "checkpoint" / "policy" / "model.safetensors").read_bytes()
     bad = tmp_path / "bad.jsonl"
