@@ -797,7 +797,13 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
         for k in ("loss", "kl", "entropy", "reward", "mem_loss", "r_format", "r_answer", "r_group"):
             assert torch.isfinite(torch.tensor(float(r[k]))), k
         assert r["mem_kept"] == r["mem_tried"] == 3 and r["t_rewrite"] >= 0
-    assert not any(p.requires_grad for p in seen_samplers[0].model.parameters())  # the rewrite model is frozen
+    rewriter = seen_samplers[0]
+    assert not any(p.requires_grad for p in rewriter.model.parameters())  # the rewrite model is frozen
+    ran = []  # and it is the model that generates the rewrites (not a view on the policy's sampler)
+    hook = rewriter.model.register_forward_hook(lambda *a: ran.append(1))
+    rewriter.generate([[5, 9, 12]], max_new_tokens=2, greedy=True)
+    hook.remove()
+    assert ran
     seed = json.loads((out / "config.json").read_text())["seed"]
     # the rewriter samples its own stream (sampler.call_seed), never the policy sampler's
     # (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
