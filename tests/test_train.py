@@ -450,8 +450,9 @@ def test_resume_refuses_a_setting_the_checkpoint_would_override(tiny_model, tmp_
     printed = capsys.readouterr().out
     assert "already at step 2 of --steps 1: nothing to train" in printed and "holds the step-2 model" in printed
     assert json.loads((out / "config.json").read_text())["steps"] == 2  # the run's settings, not this no-op's
-    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--kl_coef", "0.01"]))
+    train.main(args(tiny_model, out, "grpo", steps=2, extra=["--warmup_steps", "2", "--resume", "--kl_coef", "0.02"]))
     assert "already at step 2 of --steps 2: nothing to train" in capsys.readouterr().out  # a finished run resumed
+    assert json.loads((out / "config.json").read_text())["kl_coef"] == 0.01  # nor here
 
 
 def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_it(capsys):
