@@ -1325,12 +1325,13 @@ def test_sampling_and_rollout_flags_reach_the_sampler_and_the_rollout(tiny_model
 
 
 def test_eval_every_evaluates_after_every_nth_step_and_at_the_end(tiny_model, tmp_path):
-    """--eval_every 2 over 3 steps: before step 1 (a fresh run), after step 2, and after the last, 3."""
+    """--eval_every 3 over 4 steps: before step 1 (a fresh run), after step 3, and after the last, 4.
+    (With 2, a step count off by two would evaluate at the same steps.)"""
     out = tmp_path / "run"
-    train.main(args(tiny_model, out, "grpo", steps=3, extra=["--eval_every", "2", "--save_every", "0",
+    train.main(args(tiny_model, out, "grpo", steps=4, extra=["--eval_every", "3", "--save_every", "0",
                                                              "--log_trajectories_every", "0"]))
-    assert [r["step"] for r in metrics(out) if "eval/all" in r] == [0, 2, 3]
-    assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 2, 3)]
+    assert [r["step"] for r in metrics(out) if "eval/all" in r] == [0, 3, 4]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 3, 4)]
 
 
 def test_epochs_are_fresh_permutations_and_the_seed_sets_the_order():
