@@ -46,6 +46,7 @@ def test_two_steps_change_parameters(tiny_model, tmp_path, algo, varied_reward):
         assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "kl", "entropy", "reward"))
         if algo == "ppo":
             assert "vf_loss" in r
+        assert 0 <= r["t_rollout"] < r["seconds"] and 0 <= r["t_push"] < r["seconds"]  # parts of the step's time
     before = load_file(f"{tiny_model}/model.safetensors")
     after = load_file(out / "checkpoint" / "policy" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
