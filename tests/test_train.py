@@ -1325,14 +1325,16 @@ def test_sampling_and_rollout_flags_reach_the_sampler_and_the_rollout(tiny_model
                                                pytest.approx(sum(ro.turns) / len(ro)))
 
 
-def test_eval_every_evaluates_after_every_nth_step_and_at_the_end(tiny_model, tmp_path):
-    """--eval_every 3 over 4 steps: before step 1 (a fresh run), after step 3, and after the last, 4.
-    (With 2, a step count off by two would evaluate at the same steps.)"""
+def test_evaluations_and_trajectories_come_every_nth_step_and_an_evaluation_at_the_end(tiny_model, tmp_path):
+    """--eval_every 3 over 4 steps: before step 1 (a fresh run), after step 3, and after the last, 4;
+    --log_trajectories_every 3 after step 3 alone. (With 2, a step count off by two would pick the
+    same steps.)"""
     out = tmp_path / "run"
     train.main(args(tiny_model, out, "grpo", steps=4, extra=["--eval_every", "3", "--save_every", "0",
-                                                             "--log_trajectories_every", "0"]))
+                                                             "--log_trajectories_every", "3"]))
     assert [r["step"] for r in metrics(out) if "eval/all" in r] == [0, 3, 4]
     assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 3, 4)]
+    assert [p.name for p in (out / "trajectories").iterdir()] == ["step00003.html"]
 
 
 def test_epochs_are_fresh_permutations_and_the_seed_sets_the_order():
