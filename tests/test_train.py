@@ -44,8 +44,7 @@ def test_two_steps_change_parameters(tiny_model, tmp_path, algo, varied_reward):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "kl", "entropy", "reward"))
-        if algo == "ppo":
-            assert "vf_loss" in r
+        assert ("vf_loss" in r) == (algo == "ppo") and "mem_loss" not in r  # no critic, no rewrites: not logged
         assert 0 <= r["t_rollout"] < r["seconds"] and 0 <= r["t_push"] < r["seconds"]  # parts of the step's time
     before = load_file(f"{tiny_model}/model.safetensors")
     after = load_file(out / "checkpoint" / "policy" / "model.safetensors")
