@@ -1324,15 +1324,23 @@ def test_sampling_and_rollout_flags_reach_the_sampler_and_the_rollout(tiny_model
                                                pytest.approx(sum(ro.turns) / len(ro)))
 
 
-def test_evaluations_and_trajectories_come_every_nth_step_and_an_evaluation_at_the_end(tiny_model, tmp_path):
+def test_evaluations_checkpoints_and_trajectories_come_every_nth_step_and_at_the_end(tiny_model, tmp_path,
+                                                                                       monkeypatch):
     """--eval_every 3 over 4 steps: before step 1 (a fresh run), after step 3, and after the last, 4;
-    --log_trajectories_every 3 after step 3 alone. (With 2, a step count off by two would pick the
-    same steps.)"""
-    out = tmp_path / "run"
-    train.main(args(tiny_model, out, "grpo", steps=4, extra=["--eval_every", "3", "--save_every", "0",
+    --save_every 3 after steps 3 and 4; --log_trajectories_every 3 after step 3 alone. (With 2, a
+    step count off by two would pick the same steps.)"""
+    out, saved, save = tmp_path / "run", [], train.save_checkpoint
+
+    def counted(out_dir, policy, tokenizer, state, *rest):
+        saved.append(state["step"])
+        return save(out_dir, policy, tokenizer, state, *rest)
+
+    monkeypatch.setattr(train, "save_checkpoint", counted)
+    train.main(args(tiny_model, out, "grpo", steps=4, extra=["--eval_every", "3", "--save_every", "3",
                                                              "--log_trajectories_every", "3"]))
     assert [r["step"] for r in metrics(out) if "eval/all" in r] == [0, 3, 4]
     assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 3, 4)]
+    assert saved == [3, 4]
     assert [p.name for p in (out / "trajectories").iterdir()] == ["step00003.html"]
 
 
