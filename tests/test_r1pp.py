@@ -849,7 +849,8 @@ def test_stage2_ablations_and_baseline_run(tiny_model, tmp_path):
     # a run without L_M resumed with it: its checkpoint has no rewriter state, the rewriter starts anew
     train.main(stage2_args(tiny_model, out, ["--reward", "em", "--steps", "2", "--resume"]))
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 2 and "mem_kept" in last
+    assert last["step"] == 2 and last["mem_kept"] == last["mem_tried"] == 0  # a random model is never right:
+    assert last["mem_loss"] is None  # nothing to rewrite, nothing kept, no L_M
 
 
 def test_unknown_reward_exits():
