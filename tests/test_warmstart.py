@@ -3,6 +3,7 @@ by Ctrl-C and resumed writes the bytes of one never stopped; the teacher's data 
 tokens only, and a build runs its careful, then its imperfect phase, each pass on a fresh seed."""
 
 import hashlib
+import json
 import shutil
 
 import pytest
@@ -218,6 +219,9 @@ def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monk
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (tok.eos_token_id,
                                                                                            tok.pad_token_id)
+    # the shipped model's shape: the rebuild the README promises makes the same config, bar the version
+    config, shipped = (json.loads((folder / "model" / "config.json").read_text()) for folder in (tmp_path, TOY_DIR))
+    assert config.pop("transformers_version") and shipped.pop("transformers_version") and config == shipped
     saved = model.state_dict()
     init = make_model(load_tokenizer(str(tmp_path)), 3).state_dict()
     other = make_model(load_tokenizer(str(tmp_path)), 4).state_dict()
