@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from searchlite.config import TOY_DIR, resolve_path
+from searchlite.config import TOY_DIR, parse_args, resolve_path
 from searchlite.data import read_qa
 from searchlite.models import load_tokenizer
 from searchlite.protocol import get_protocol
@@ -124,6 +124,7 @@ def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
     from searchlite.warmstart import CAREFUL, teacher_data
 
     tok, qa, retriever = toy
+    topk = parse_args([]).topk  # the toy run's passages per search
     plain = [q for q in qa if not q.meta["famous"] and q.meta["type"] == "1hop"][:4]
     ids, loss, att = teacher_data(tok, plain, retriever, [0], famous_repeats=0, teacher=CAREFUL)
     assert ids.shape == loss.shape == att.shape and len(ids) == 4
@@ -136,6 +137,7 @@ def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
         assert plain[i].question in text and plain[i].question not in trained  # the prompt is not trained on
         doc_title = plain[i].meta["hops"][0]["query"]
         assert "<information>" in text and "<information>" not in trained  # passages are not trained on
+        assert f"Doc {topk}(" in text and f"Doc {topk + 1}(" not in text  # what RL's searches show
         assert "<search>" in trained and "<answer>" in trained  # the teacher's own turns are
         assert text.count(doc_title) > trained.count(doc_title)
         assert 0 < int(loss[i].sum()) < n
@@ -212,9 +214,11 @@ def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monk
 
     torch.set_num_threads(2)  # (torch_settings puts them back)
     torch.use_deterministic_algorithms(False)
-    calls = _fake_build(monkeypatch, tmp_path, ["--seed", "3", "--read_passes", "1", "--epochs", "0"])
+    least = ["--questions", "0", "--famous_repeats", "0", "--batch_size", "1"]  # each flag's least value
+    calls = _fake_build(monkeypatch, tmp_path, ["--seed", "3", "--read_passes", "1", "--epochs", "0", *least])
     assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()  # a rebuild's same bytes
-    assert [d["n"] for d in calls["data"]] == [len(read_qa(TOY_DIR / "train.jsonl"))]
+    assert [d["n"] for d in calls["data"]] == [len(read_qa(TOY_DIR / "train.jsonl"))]  # --questions 0: all
+    assert calls["data"][0]["famous_repeats"] == 0 and calls["sft"][0]["batch_size"] == 1
     tok = load_tokenizer(str(tmp_path / "model"))  # the model folder loads alone, its tokenizer in it
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (tok.eos_token_id,
