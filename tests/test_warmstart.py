@@ -118,6 +118,8 @@ def test_only_the_default_build_writes_the_shipped_folder(monkeypatch, capsys):
     monkeypatch.setattr(warmstart, "build", built.append)
     warmstart.main(["--resume"])  # the default build: into the shipped folder
     assert [args.out for args in built] == [str(TOY_DIR)]
+    # the shipped bytes: the world of `toyworld build`'s default seed (test_toyworld), made on 2 threads
+    assert [(args.seed, args.threads) for args in built] == [(0, 2)]
 
 
 def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
