@@ -180,7 +180,7 @@ def _fake_build(monkeypatch, tmp_path, flags):
 
     def fit(model, input_ids, loss_mask, **kw):
         calls["sft"].append(kw)
-        return [1.0]
+        return [float(step) for step in range(25)]  # a loss per step
 
     monkeypatch.setattr(toyworld, "main", world)
     monkeypatch.setattr(warmstart, "teacher_data", data)
@@ -209,7 +209,8 @@ def test_build_runs_a_careful_then_an_imperfect_phase_on_fresh_seeds(monkeypatch
     assert {c["seed"] for c in calls["sft"]} != {c["seed"] for c in other["sft"]}
 
 
-def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monkeypatch, tmp_path, torch_settings):
+def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monkeypatch, tmp_path, torch_settings,
+                                                                            capsys):
     from transformers import AutoModelForCausalLM
 
     from searchlite.warmstart import make_model
@@ -228,6 +229,9 @@ def test_build_teaches_on_every_question_by_default_and_inits_from_the_seed(monk
     # the shipped model's shape: the rebuild the README promises makes the same config, bar the version
     config, shipped = (json.loads((folder / "model" / "config.json").read_text()) for folder in (tmp_path, TOY_DIR))
     assert config.pop("transformers_version") and shipped.pop("transformers_version") and config == shipped
+    digest = hashlib.sha256((tmp_path / "model" / "model.safetensors").read_bytes()).hexdigest()[:16]
+    # the last 20 steps' mean loss (steps 5 to 24), and the digest to hold against the shipped file's
+    assert f"final sft loss 14.5000; wrote {tmp_path / 'model'} (sha256 {digest}) in " in capsys.readouterr().out
     saved = model.state_dict()
     init = make_model(load_tokenizer(str(tmp_path)), 3).state_dict()
     other = make_model(load_tokenizer(str(tmp_path)), 4).state_dict()
