@@ -7,6 +7,7 @@ random model of the same architecture. Everything runs in fp32 on both sides. Th
 end run the sampler's own bookkeeping against a stand-in for vllm.LLM.
 """
 
+import inspect
 import os
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from conftest import give_lora_an_effect, make_tiny_llama
 from transformers import GenerationConfig
 
 from searchlite.config import TOY_DIR
-from searchlite.sampler import PromptTooLong, call_seed
+from searchlite.sampler import HFSampler, PromptTooLong, call_seed
 
 TOY_MODEL = str(TOY_DIR / "model")
 
@@ -566,7 +567,7 @@ def test_suppressed_ids_are_left_out_of_the_allowed_ids(make_sampler):
 
 
 def test_engine_is_built_with_the_settings_given(make_sampler):
-    """dtype, context, seed, batch size and step tokens reach vLLM as given."""
+    """dtype, context, seed, batch size and step tokens reach vLLM as given; left out, they are HFSampler's."""
     sampler = make_sampler(dtype="bfloat16", max_model_len=48, seed=3, batch_size=16, max_step_tokens=2048,
                            cpu_kv_cache_gib=0.5, eager=True)
     kw = sampler.llm.kw
@@ -575,6 +576,11 @@ def test_engine_is_built_with_the_settings_given(make_sampler):
     assert kw["enforce_eager"] and kw["enable_prefix_caching"]
     if sampler.on_cpu:
         assert kw["kv_cache_memory_bytes"] == 2**29
+    # left out, the settings HFSampler's are (the same interface), and vLLM's own batch size
+    default, hf = make_sampler(), inspect.signature(HFSampler).parameters
+    shared = ("max_new_tokens", "temperature", "top_p", "seed")
+    assert [getattr(default, k) for k in shared] == [hf[k].default for k in shared]
+    assert default.llm.kw["seed"] == hf["seed"].default and default.llm.kw["max_num_seqs"] is None
 
 
 def test_under_torchrun_each_ranks_engine_runs_in_torchruns_process_group(make_sampler, monkeypatch):
