@@ -361,7 +361,8 @@ def test_main_answers_each_run_with_its_own_config_and_prints_its_row(recall, mo
 
 
 def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
-    """--sft_epochs 3,1,3 asks the ceiling for epochs [1, 3]. Floors over the test set (famous x, drawn
+    """--sft_epochs 3,0,1,3 asks the ceiling for epochs [0, 1, 3] (0: the start model as it is), and
+    --limit 0 takes every drawn question. Floors over the test set (famous x, drawn
     facts b and y, control fact z): every famous hop recalled q1 0 + q2 2 + q3 1 + q4 1 = 4 / 4; with the
     drawn facts too 0 + 1 + 1 + 0 = 2 / 4. A ceiling row prints its NLL, test EM and RC, then the
     questions sharing a fact before the others. The whole output, headers included."""
@@ -376,7 +377,9 @@ def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
     monkeypatch.setattr(recall, "load_runs", lambda names: {"r": (cfg, Path("r/checkpoint"))})
     monkeypatch.setattr(recall, "read_qa", lambda path: test if path == "test" else [])
     monkeypatch.setattr(recall, "resolve_path", str)
-    monkeypatch.setattr(recall, "question_sets", lambda c, qa, limit: {"drawn": drawn, "control": control})
+    limits = []
+    monkeypatch.setattr(recall, "question_sets",
+                        lambda c, qa, limit: limits.append(limit) or {"drawn": drawn, "control": control})
     monkeypatch.setattr(recall, "answer", lambda model, sets, c: CANNED)
     split = {"shares": {"n": 1, "no_search": 1.0, "em": 1.0}, "other": {"n": 3, "no_search": 0.0, "em": 0.25}}
     got = {s: recall.recall(v) for s, v in CANNED.items()}
@@ -387,9 +390,10 @@ def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
             yield e, got, {"em": 0.5, "rc": 1.25}, split, 0.75
 
     monkeypatch.setattr(recall, "ceiling", ceiling)
-    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "false", "--sft_epochs", "3,1,3"])
+    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "false", "--sft_epochs", "3,0,1,3",
+                                      "--limit", "0"])
     recall.main()
-    assert asked == [[1, 3]]
+    assert asked == [[0, 1, 3]] and limits == [0]
     row = "1, 100.0%, 1.000 | 3, 0.0%, 0.250"
     assert capsys.readouterr().out.splitlines() == [
         "1 non-famous training questions drawn by seed 0 (1 steps x 1), 1 never drawn",
@@ -397,6 +401,7 @@ def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
         "| right with no search | EM |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| r | {CANNED_CELLS} |",
+        f"| start + 0 epochs of SFT on the drawn answers | {CANNED_CELLS} |",
         f"| start + 1 epochs of SFT on the drawn answers | {CANNED_CELLS} |",
         f"| start + 3 epochs of SFT on the drawn answers | {CANNED_CELLS} |",
         "",
@@ -407,6 +412,7 @@ def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
         "| epochs | NLL of the drawn answers | test EM | RC | sharing a fact: n, no search, EM "
         "| the others: n, no search, EM |",
         "|---:|---:|---:|---:|---:|---:|",
+        f"| 0 | 0.750 | 0.500 | 1.25 | {row} |",
         f"| 1 | 0.750 | 0.500 | 1.25 | {row} |",
         f"| 3 | 0.750 | 0.500 | 1.25 | {row} |"]
 
