@@ -81,6 +81,8 @@ def test_memory_bench_random_model_rounds_mlp_up_to_64_ties_embeddings_and_holds
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (128, 1, 384)  # 341 -> 384
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (2, 2, True)
     assert len(load_tokenizer(path)) == cfg["vocab_size"]
+    wide = json.loads((Path(memory_bench.random_model("random:192x1", tmp_path / "w")) / "config.json").read_text())
+    assert wide["intermediate_size"] == 512  # 8 x 192 / 3, a multiple of 64 already: not rounded up
     torch.manual_seed(123)
     again = memory_bench.random_model("random:128x1", tmp_path / "again")
     assert (Path(again) / "model.safetensors").read_bytes() == (Path(path) / "model.safetensors").read_bytes()
