@@ -228,7 +228,8 @@ def test_random_qwen_suppresses_exactly_the_ids_without_text(gpu_check):
 
 
 def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
-    """Its model card: 3.09B parameters, 2.77B of them not embeddings (tied: one matrix for both ends)."""
+    """Its model card: 3.09B parameters, 2.77B of them not embeddings (tied: one matrix for both ends);
+    exactly, its checkpoint's model.safetensors.index.json: total_size 6,171,877,376 bytes of bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     with torch.device("meta"):
@@ -236,4 +237,5 @@ def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
     total = sum(p.numel() for p in model.parameters())
     embedding = model.model.embed_tokens.weight.numel()
     assert (round(total / 1e9, 2), round((total - embedding) / 1e9, 2)) == (3.09, 2.77)
+    assert 2 * total == 6_171_877_376  # one more row of the MLP or the vocabulary, and the shape is not Qwen's
     assert model.lm_head.weight is model.model.embed_tokens.weight
