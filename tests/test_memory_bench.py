@@ -100,10 +100,12 @@ def test_memory_bench_variant_runs_train_with_base_then_its_own_flags(memory_ben
 
     def call(cmd, cwd, stdout, stderr):
         seen.append(cmd)
+        assert (Path(cwd) / "train.py").is_file()  # it runs where train.py is, whatever the caller's directory
         Path(cmd[3]).write_text('{"peak_rss_mib": 1.0}')
         return 0
 
     monkeypatch.setattr(memory_bench.subprocess, "call", call)
+    monkeypatch.chdir(tmp_path)
     assert memory_bench.run_variant("lora", ["--lora_rank", "16"], ["--steps", "1"], tmp_path) == {"peak_rss_mib": 1.0}
     assert seen[0][2:] == ["--child", str(tmp_path / "lora.json"), "--", "--steps", "1",
                            "--out_dir", str(tmp_path / "lora"), "--lora_rank", "16"]
