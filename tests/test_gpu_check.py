@@ -118,11 +118,14 @@ def test_tiny_run_token_counts_are_the_rollouts(spied_tiny_run):
 
 def test_tiny_run_tokens_per_second_divide_by_their_own_phase(spied_tiny_run):
     result, out = spied_tiny_run["result"], spied_tiny_run["out"]
-    # sync readings 2**1 .. 2**8: rollout between readings 3 and 4 (8 s), update between 7 and 8 (128 s)
+    # sync readings 2**1 .. 2**8: the build between readings 1 and 2 (2 s), rollout between 3 and 4 (8 s),
+    # scoring between 5 and 6 (32 s), update between 7 and 8 (128 s)
+    assert "gradient checkpointing, built in 2.0s\n" in out and "scoring: reference log-probs, 32.0s\n" in out
     assert result["rollout_tok_s"] == result["sampled_tokens"] / 8
     assert result["update_tok_s"] == result["update_tokens"] / 128
     assert f"rollout tokens/s: {result['sampled_tokens'] / 8:,.0f}\n" in out
     assert f"update tokens/s:  {result['update_tokens'] / 128:,.0f}\n" in out
+    assert result["peak_gib"] is None and "peak GPU memory" not in out  # on a CPU: no GPU memory to report
 
 
 def test_tiny_run_flags_reach_config_rollout_sampler_and_advantages(spied_tiny_run):
@@ -144,6 +147,7 @@ def test_tiny_run_counts_the_tiny_qwens_parameters(spied_tiny_run):
     # final norm 64
     layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
     assert spied_tiny_run["result"]["params_b"] == (3000 * 64 + 2 * layer + 64) / 1e9 == 266304 / 1e9
+    assert "model: random Qwen2, 0.3M parameters in float32 computing in bfloat16, " in spied_tiny_run["out"]
 
 
 def test_bf16_weights_builds_the_policy_in_dtype(gpu_check, monkeypatch):
