@@ -576,7 +576,7 @@ def test_engine_is_built_with_the_settings_given(make_sampler):
     assert kw["enforce_eager"] and kw["enable_prefix_caching"]
     if sampler.on_cpu:
         assert kw["kv_cache_memory_bytes"] == 2**29
-    # left out, the settings HFSampler's are (the same interface), and vLLM's own batch size
+    # given none: HFSampler's defaults (the same interface), and vLLM's own batch size
     default, hf = make_sampler(), inspect.signature(HFSampler).parameters
     shared = ("max_new_tokens", "temperature", "top_p", "seed")
     assert [getattr(default, k) for k in shared] == [hf[k].default for k in shared]
