@@ -105,6 +105,14 @@ def test_retrieval_bench_synthetic_set_has_n_passages_and_asks_their_rarest_word
         assert max(counts[w] for w in words) < sum(counts[w] for w in passage) / len(passage)  # rarer than average
 
 
+def test_retrieval_bench_synthetic_set_past_one_chunk_has_each_passage_once_in_order(retrieval_bench, tmp_path):
+    """Passages are drawn 10,000 at a time: the second chunk goes on from the first, to n in all."""
+    corpus, qa = retrieval_bench.write_synthetic(10_005, tmp_path)
+    ids = [json.loads(line)["id"] for line in corpus.read_text().splitlines()]
+    assert ids == [str(i) for i in range(10_005)]
+    assert len(qa.read_text().splitlines()) == 500
+
+
 def test_retrieval_bench_synthetic_set_is_written_again_when_its_qa_is_missing(retrieval_bench, monkeypatch,
                                                                                tmp_path):
     """A run stopped while writing the questions leaves no corpus, so the next run writes both again
@@ -182,13 +190,15 @@ class Clock:
 
 
 def test_retrieval_bench_search_phase_speed_cpu_ms_and_recall(retrieval_bench, monkeypatch, capsys):
-    """5 questions, --single 8 (more than there are), --batch 2; each search call takes 10 ms wall, 20 ms CPU."""
+    """6 questions, --single 8 (more than there are), --batch 2; each search call takes 10 ms wall, 20 ms CPU.
+    A question is found when any of its answers is in a passage: q4's second, both of q5's."""
     clock = Clock()
     hit = lambda title, text: Hit("0", title, text, 1.0)  # noqa: E731
     qa = [QA("0", "q0", ["Ed Wood"]), QA("1", "q1", ["Synth 0000001"]), QA("2", "q2", ["Paris"]),
-          QA("3", "q3", ["nothing"]), QA("4", "q4", ["x", "The Beatles"])]
+          QA("3", "q3", ["nothing"]), QA("4", "q4", ["x", "The Beatles"]), QA("5", "q5", ["Oslo", "Norway"])]
     hits = {"q0": [hit("Film", "Ed Woodward starred")], "q1": [hit("Synth 0000001", "ba ka")],
-            "q2": [hit("France", "the capital: Paris.")], "q3": [hit("A", "b")], "q4": [hit("Band", "beatles songs")]}
+            "q2": [hit("France", "the capital: Paris.")], "q3": [hit("A", "b")], "q4": [hit("Band", "beatles songs")],
+            "q5": [hit("Oslo", "capital of Norway")]}
     calls = []
 
     class Index:
@@ -207,9 +217,9 @@ def test_retrieval_bench_search_phase_speed_cpu_ms_and_recall(retrieval_bench, m
     monkeypatch.setattr("searchlite.data.read_qa", lambda path: qa)
     retrieval_bench.search_phase("idx", "qa.jsonl", single=8, batch=2)
     s = json.loads(capsys.readouterr().out)
-    assert calls == [1, 2] + [1] * 5 + [2, 2, 1]  # warm-ups, one at a time, batches
-    assert s == pytest.approx(dict(load_s=1.5, single_qps=5 / 0.05, batched_qps=5 / 0.03, single_cpu_ms=20.0,
-                                   batched_cpu_ms=12.0, recall3=0.6, recall3_substring=0.8, n=5))
+    assert calls == [1, 2] + [1] * 6 + [2, 2, 2]  # warm-ups, one at a time, batches
+    assert s == pytest.approx(dict(load_s=1.5, single_qps=6 / 0.06, batched_qps=6 / 0.03, single_cpu_ms=20.0,
+                                   batched_cpu_ms=10.0, recall3=4 / 6, recall3_substring=5 / 6, n=6))
 
 
 @pytest.fixture
