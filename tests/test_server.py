@@ -142,6 +142,21 @@ def test_health_of_a_retriever_without_a_passage_count_says_null():
     assert (reply.status_code, reply.json()) == (200, {"status": "ok", "passages": None})
 
 
+def test_the_served_schema_gives_every_error_code_the_one_line_detail_body():
+    """/openapi.json lists each code POST /retrieve answers with (400 a body not UTF-8, 411 no
+    Content-Length, 413 too large, 422 invalid, 500 search failed), each as {"detail": string}:
+    a client built from the schema expects that, not FastAPI's default 422 list of objects."""
+    with TestClient(make_app(NoHits())) as client:
+        schema = client.get("/openapi.json").json()
+    responses = schema["paths"]["/retrieve"]["post"]["responses"]
+    assert sorted(responses) == ["200", "400", "411", "413", "422", "500"]
+    for code in ("400", "411", "413", "422", "500"):
+        body = responses[code]["content"]["application/json"]["schema"]
+        assert body == {"$ref": "#/components/schemas/ErrorResponse"}, code
+    error = schema["components"]["schemas"]["ErrorResponse"]
+    assert (error["properties"], error["required"]) == ({"detail": {"type": "string", "title": "Detail"}}, ["detail"])
+
+
 def test_a_nan_score_is_a_server_error_not_a_nan_in_the_json():
     """JSON has no NaN: an answer holding one is a 500 with a JSON detail, as every error is, never
     sent as `NaN` for a strict client to choke on."""
