@@ -809,6 +809,18 @@ def test_choose_parallel_picks_fsdp_from_the_threshold_of_trained_parameters_up(
     assert dist.choose_parallel(model, "ddp") == "ddp"
 
 
+def test_auto_takes_fsdp_from_the_documented_one_billion_trained_parameters_up():
+    """--parallel's help and configs.toml say 'FSDP2 from 1B trained parameters'; the sizes are on
+    the meta device, so no memory is held."""
+    def model(n):
+        m = nn.Module()
+        m.weight = nn.Parameter(torch.empty(n, device="meta"))
+        return m
+
+    assert dist.choose_parallel(model(1_000_000_000), "auto") == "fsdp"
+    assert dist.choose_parallel(model(999_999_999), "auto") == "ddp"
+
+
 # ------------------------------------------------ models
 
 
