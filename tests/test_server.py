@@ -69,11 +69,15 @@ def test_serve_refuses_a_port_another_server_holds_before_loading(monkeypatch):
 
 
 def test_serve_passes_its_flags_to_the_app(monkeypatch):
+    """Without --host and --port it serves 127.0.0.1:8000: this machine only, on Search-R1's port,
+    the one the client's 'Is the server running?' hint and the README's examples give."""
     seen = {}
     monkeypatch.setattr(retrieve, "check_port", lambda host, port: None)  # port 8000 may be taken here
-    monkeypatch.setattr(searchlite.server, "serve", lambda retriever, host, port, **settings: seen.update(settings))
+    monkeypatch.setattr(searchlite.server, "serve",
+                        lambda retriever, host, port, **settings: seen.update(settings, host=host, port=port))
     retrieve.main(["serve", "--topk", "5", "--max_queries", "7", "--max_query_chars", "9", "--batch_wait_ms", "20"])
-    assert seen == {"default_topk": 5, "max_queries": 7, "max_query_chars": 9, "batch_wait": 0.02}
+    assert seen == {"default_topk": 5, "max_queries": 7, "max_query_chars": 9, "batch_wait": 0.02,
+                    "host": "127.0.0.1", "port": 8000}
 
 
 def test_query_errors_name_the_flag(tmp_path):
