@@ -202,6 +202,29 @@ def test_tags_registered_as_special_tokens_still_parse(byte_tokenizer):
     assert ro.responses[1].endswith("</information>\n" + SCRIPTS["q-search"][1])
 
 
+def test_a_tokenizer_that_adds_a_bos_puts_none_inside_a_response(byte_tokenizer):
+    """Llama's tokenizers put <s> before whatever they encode unless told not to: the passages and
+    the invalid-action message go in without one, so a response holds the ids it would without it."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(byte_tokenizer)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = [("<s>", tok.bos_token_id)]
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=bos)
+    assert tok.encode("a")[0] == tok.bos_token_id  # as a Llama tokenizer does
+    questions = ["q-search", "q-invalid"]
+    ro, _, _ = _run(tok, questions, max_turns=2)
+    plain, _, _ = _run(byte_tokenizer, questions, max_turns=2)
+    assert "<information>" in ro.responses[0] and "My previous action is invalid" in ro.responses[1]
+    for i in range(2):
+        p, n = int(ro.prompt_len[i]), int(ro.attention_mask[i].sum())
+        q, m = int(plain.prompt_len[i]), int(plain.attention_mask[i].sum())
+        assert ro.input_ids[i, p:n].tolist() == plain.input_ids[i, q:m].tolist()
+        assert tok.bos_token_id not in ro.input_ids[i, p:n].tolist()
+
+
 def test_a_turn_opening_question_mid_line_is_not_cut(byte_tokenizer):
     """Only a turn that opens a line is cut at "Question:": after a prompt that ends mid-line, it is
     the model's own text."""
