@@ -86,6 +86,21 @@ def byte_tokenizer():
     return make_byte_tokenizer()
 
 
+def with_bos(tokenizer):
+    """A copy of `tokenizer` that puts a BOS `<s>` before whatever it encodes unless told not to, as
+    Llama's tokenizers do (the byte tokenizer adds none, so a missing add_special_tokens=False is unseen)."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = [("<s>", tok.bos_token_id)]
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=bos)
+    assert tok.encode("a")[0] == tok.bos_token_id
+    return tok
+
+
 def free_port() -> int:
     """A loopback port no socket holds now: for a server to start on, or for a client to find closed."""
     with socket.socket() as s:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TAGS, with_bos
 
 import train
 from searchlite import r1pp
@@ -265,6 +266,23 @@ def test_memorization_reads_and_keeps_well_formed_trajectories_only(byte_tokeniz
     mem, tried = r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), ro,
                                          [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])], chat_template=False)
     assert tried == 1 and len(mem) == 1 and all("Question: q-b" in p for p in sampler.prompts)
+
+
+def test_a_rewrite_whose_tags_are_special_tokens_is_read_with_them(byte_tokenizer):
+    """A tokenizer whose protocol tags are special tokens: the rewrite is decoded with them, so a
+    well-formed one is kept (decoded without them, none would be)."""
+    import copy
+
+    tok = copy.deepcopy(byte_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": TAGS})
+    assert tok.decode(tok.encode(internal("x"), add_special_tokens=False), skip_special_tokens=True) == \
+        "I know.  x \nSo \\boxed{x}."
+    doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)
+    ro = _Fake([(searched("paris"), "paris", 1)], docs=[[doc]])
+    sampler = ScriptedSampler(tok, {"q-b": [internal("paris")]})
+    mem, tried = r1pp.memorization_batch(sampler, tok, PP, r1pp.rewrite_template(PP, "toy"), ro,
+                                         [QA("b", "q-b", ["Paris"])], chat_template=False)
+    assert tried == 1 and len(mem) == 1 and mem.answers == ["paris"]
 
 
 def test_rewrite_prompt_keeps_each_passage_once_even_without_ids(byte_tokenizer):
@@ -948,6 +966,18 @@ def _kept_four(tok):
     resp = [tok.encode(internal(k), add_special_tokens=False) for k in "abcd"]
     docs = [[Hit(k, k, f"passage {k}", 1.0)] for k in "abcd"]
     return _collate(prompts, resp, [[1] * len(r) for r in resp], [1] * 4, [2] * 4, list("abcd"), docs, tok)
+
+
+def test_a_rewrite_demonstration_holds_no_bos_from_a_tokenizer_that_adds_one(byte_tokenizer):
+    """The response of a demonstration is `recall(answer)` as it encodes without a BOS: a Llama
+    tokenizer's <s> would otherwise sit between the prompt and the trained answer."""
+    tok = with_bos(byte_tokenizer)
+    demos = r1pp.rewrite_demos(_kept_four(tok), [f"q{k}" for k in "abcd"], tok, PP, "{documents}\n{question}",
+                               internal, n=4, chat_template=False)
+    assert sorted(demos.answers) == list("abcd")
+    for i, answer in enumerate(demos.answers):
+        p, n = int(demos.prompt_len[i]), int(demos.attention_mask[i].sum())
+        assert demos.input_ids[i, p:n].tolist() == tok.encode(internal(answer), add_special_tokens=False)
 
 
 def test_rewrite_demos_are_drawn_with_the_seed(byte_tokenizer):

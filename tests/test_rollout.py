@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, with_bos
 
 from searchlite.protocol import get_protocol
 from searchlite.retrieval import Hit
@@ -205,15 +205,7 @@ def test_tags_registered_as_special_tokens_still_parse(byte_tokenizer):
 def test_a_tokenizer_that_adds_a_bos_puts_none_inside_a_response(byte_tokenizer):
     """Llama's tokenizers put <s> before whatever they encode unless told not to: the passages and
     the invalid-action message go in without one, so a response holds the ids it would without it."""
-    import copy
-
-    from tokenizers.processors import TemplateProcessing
-
-    tok = copy.deepcopy(byte_tokenizer)
-    tok.add_special_tokens({"bos_token": "<s>"})
-    bos = [("<s>", tok.bos_token_id)]
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=bos)
-    assert tok.encode("a")[0] == tok.bos_token_id  # as a Llama tokenizer does
+    tok = with_bos(byte_tokenizer)
     questions = ["q-search", "q-invalid"]
     ro, _, _ = _run(tok, questions, max_turns=2)
     plain, _, _ = _run(byte_tokenizer, questions, max_turns=2)
