@@ -534,7 +534,11 @@ def test_a_query_prefix_is_for_a_dense_retriever():
     (("--lam", "1.5"), "--lam 1.5: must be in [0, 1]"),
     (("--clip_eps", "0"), "--clip_eps 0.0: must be in (0, inf)"),  # every ratio clipped: no policy gradient
     (("--grad_clip", "-1"), "--grad_clip -1.0: must be in (0, inf)"),
+    (("--grad_clip", "0"), "--grad_clip 0.0: must be in (0, inf)"),  # every gradient scaled to zero
     (("--weight_decay", "-0.01"), "--weight_decay -0.01: must be in [0, inf)"),
+    (("--algo", "ppo", "--critic_lr", "0"), "--critic_lr 0.0: must be in (0, inf)"),  # a critic that never learns
+    (("--algo", "ppo", "--value_clip_eps", "0"), "--value_clip_eps 0.0: must be in (0, inf)"),  # no value gradient
+    (("--lora_rank", "8", "--lora_alpha", "0"), "--lora_alpha 0.0: must be in (0, inf)"),  # adapters that add nothing
 ])
 def test_more_values_no_run_can_use_are_refused(flags, message):
     got = checked(*flags)

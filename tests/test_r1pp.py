@@ -754,6 +754,13 @@ def test_stage1_with_a_vllm_that_does_not_import_is_one_line_and_changes_no_file
     assert not (tmp_path / "s1").exists()
 
 
+def test_stage1_refuses_an_sft_lr_of_zero_before_it_starts(tmp_path):
+    """An SFT at learning rate 0 would sample and train for nothing; it is refused as --lr 0 is."""
+    with pytest.raises(SystemExit, match=r"^error: .*--sft_lr 0\.0: must be in \(0, inf\)$"):
+        r1pp.main(["stage1", "--sft_lr", "0", "--out_dir", str(tmp_path / "s1")])
+    assert not (tmp_path / "s1").exists()
+
+
 def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys, monkeypatch):
     with pytest.raises(SystemExit, match=r"does not read --lr \(it reads: --out_dir, --resume, .*--sft_lr"):
         r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr
