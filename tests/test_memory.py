@@ -499,9 +499,12 @@ def test_a_lever_whose_package_is_missing_says_what_to_install(settings, package
 def test_lora_on_tied_embeddings_with_vllm_is_refused_before_any_model_loads(byte_tokenizer, tmp_path):
     """vLLM holds tied embeddings and LM head as one matrix: a LoRA on either was refused only when the
     first weights were pushed, after the models and the engine had loaded. An untied model, other targets,
-    the transformers sampler and a hub name (not read here) pass."""
+    the transformers sampler, a hub name (not read here), and a model that cannot be found or whose
+    config cannot be read (its load names what is wrong) pass."""
     for tie in (True, False):
         make_tiny_llama(byte_tokenizer, tie=tie).save_pretrained(tmp_path / f"tie{tie}")
+    (tmp_path / "unreadable").mkdir()
+    (tmp_path / "unreadable" / "config.json").write_text("{not json", encoding="utf-8")
     tied = dict(model=str(tmp_path / "tieTrue"), lora_rank=4, sampler="vllm")
     for targets, named in (("embed_tokens,q_proj", "embed_tokens"), ("q_proj, lm_head", "lm_head"),
                            ("model.embed_tokens", "model.embed_tokens")):
@@ -515,7 +518,8 @@ def test_lora_on_tied_embeddings_with_vllm_is_refused_before_any_model_loads(byt
         check_levers(Config(**{**tied, "model": str(tmp_path / "stage1")}, lora_targets="lm_head"))
     tied["model"] = str(tmp_path / "stage1" / "model")
     for ok in ({"lora_targets": "all-linear"}, {"lora_targets": "q_proj,v_proj"}, {"sampler": "hf"},
-               {"model": str(tmp_path / "tieFalse")}, {"model": "Org/some-model"}, {"lora_rank": 0}):
+               {"model": str(tmp_path / "tieFalse")}, {"model": "Org/some-model"}, {"lora_rank": 0},
+               {"model": str(tmp_path / "missing")}, {"model": str(tmp_path / "unreadable")}):
         check_levers(Config(**{**tied, "lora_targets": "embed_tokens", **ok}))
 
 
