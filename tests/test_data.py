@@ -28,8 +28,9 @@ def test_a_log_line_torn_by_an_interrupt_is_cut_so_the_next_append_starts_whole(
     log.write_text('{"step": 1}\n{"st')
     assert read_log(log, cut=False) == [{"step": 1}] and log.read_text().endswith('{"st')  # a reader leaves it
     assert read_log(log) == [{"step": 1}] and log.read_text() == '{"step": 1}\n'
-    append_log(log, [{"step": 2}])
-    assert read_log(log) == [{"step": 1}, {"step": 2}]
+    append_log(log, [{"step": 2, "answer": "Zoë"}])
+    assert read_log(log) == [{"step": 1}, {"step": 2, "answer": "Zoë"}]
+    assert log.read_text(encoding="utf-8").endswith('"Zoë"}\n')  # not ASCII-escaped, as write_jsonl writes
 
 
 def test_appended_log_lines_are_on_disk_when_append_log_returns(tmp_path, monkeypatch):
@@ -247,18 +248,19 @@ def test_write_read_round_trip(tmp_path):
                 Passage("2", "", "Untitled\r text\u2028 with odd line breaks")]
     questions = [QA("q1", "Where?", ["Paris", "France"], {"type": "bridge", "supporting": [1, 2]}),
                  QA("q2", "Who?", ["Zoë"])]
+    sub = tmp_path / "sub" / "dir"  # parent folders are created
     for suffix in ("jsonl", "jsonl.gz"):
-        write_jsonl(tmp_path / "sub" / f"c.{suffix}", map(passage_to_dict, passages))
-        write_jsonl(tmp_path / "sub" / f"q.{suffix}", map(qa_to_dict, questions))
-        assert read_corpus(tmp_path / "sub" / f"c.{suffix}") == passages
-        assert read_qa(tmp_path / "sub" / f"q.{suffix}") == questions
-    with gzip.open(tmp_path / "sub" / "q.jsonl.gz", "rt", encoding="utf-8") as f:  # really gzipped
+        write_jsonl(sub / f"c.{suffix}", map(passage_to_dict, passages))
+        write_jsonl(sub / f"q.{suffix}", map(qa_to_dict, questions))
+        assert read_corpus(sub / f"c.{suffix}") == passages
+        assert read_qa(sub / f"q.{suffix}") == questions
+    with gzip.open(sub / "q.jsonl.gz", "rt", encoding="utf-8") as f:  # really gzipped
         assert json.loads(f.readline()) == {"id": "q1", "question": "Where?", "golden_answers": ["Paris", "France"],
                                             "type": "bridge", "supporting": [1, 2]}
-    raw = (tmp_path / "sub" / "q.jsonl.gz").read_bytes()  # its header names the file (gunzip -N), not a temporary
+    raw = (sub / "q.jsonl.gz").read_bytes()  # its header names the file (gunzip -N), not a temporary
     assert raw[3] & 8 and raw[10:].split(b"\0")[0] == b"q.jsonl"
-    assert "Zoë" in (tmp_path / "sub" / "q.jsonl").read_text(encoding="utf-8")  # not ASCII-escaped
-    assert not list((tmp_path / "sub").glob("*.tmp"))
+    assert "Zoë" in (sub / "q.jsonl").read_text(encoding="utf-8")  # not ASCII-escaped
+    assert not list(sub.glob("*.tmp"))
 
 
 def test_an_os_error_reads_path_and_reason_only_when_it_has_both():
@@ -353,8 +355,9 @@ def test_a_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch):
 
     from searchlite.data import lock_folder
 
-    held = lock_folder(tmp_path / "a", "run.lock")
-    assert held is not None and lock_folder(tmp_path / "a", "run.lock") is None  # another holds it
+    a = tmp_path / "runs" / "a"  # made with its parents, as --out_dir runs/a is on a fresh clone
+    held = lock_folder(a, "run.lock")
+    assert held is not None and lock_folder(a, "run.lock") is None  # another holds it
     held.close()
 
     def no_locks(f, op):
