@@ -644,6 +644,20 @@ def test_merging_onto_a_given_base_uses_that_base_in_the_dtype_asked(tmp_path, b
     assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
 
 
+def test_merge_without_out_or_with_no_command_is_a_usage_error_before_anything_loads(tmp_path, byte_tokenizer,
+                                                                                      monkeypatch, capsys):
+    """`memory merge ADAPTER` with no --out would load and merge the model, then fail to save it."""
+    import searchlite.memory
+    from searchlite.memory import main as merge_cli
+
+    folder, _ = saved_adapter(tmp_path, byte_tokenizer)
+    monkeypatch.setattr(searchlite.memory, "load_merged", lambda *a: pytest.fail("the model was loaded"))
+    for argv, missing in (([], ""), (["merge", str(folder)], "--out")):
+        with pytest.raises(SystemExit) as stop:
+            merge_cli(argv)
+        assert stop.value.code == 2 and "the following arguments are required: " + missing in capsys.readouterr().err
+
+
 def test_an_adapter_whose_base_model_is_gone_names_it_and_how_to_pass_another(tmp_path, byte_tokenizer):
     """The base an adapter names has moved: load_merged says which, and `memory merge` gives the same
     message as a one-line error, not a traceback."""
