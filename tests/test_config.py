@@ -210,15 +210,36 @@ def test_toy_paths_resolve():
     assert resolve_path("/data/x.jsonl") == "/data/x.jsonl"
 
 
-def test_repo_presets_are_valid():
-    from searchlite.config import DEFAULT_PRESETS, load_preset
+def repo_presets() -> list[str]:
+    """The names of the presets in the repo's configs.toml."""
+    from searchlite.config import DEFAULT_PRESETS
     import tomllib
 
     with open(DEFAULT_PRESETS, "rb") as f:
-        names = list(tomllib.load(f))
+        return list(tomllib.load(f))
+
+
+def test_repo_presets_are_valid():
+    from searchlite.config import load_preset
+
+    names = repo_presets()
     assert names, "configs.toml has no presets"
     for name in names:
         Config(**load_preset(name))
+
+
+def test_every_preset_masks_retrieved_tokens_and_uses_the_chat_template():
+    """The method's point: retrieved tokens get no loss unless `--mask_retrieved false` asks for
+    Search-R1's ablation; a prompt goes in the tokenizer's chat template when it has one, as Search-R1
+    builds its prompts; and a run starts fresh unless told to --resume. With no --preset, with
+    `--preset none` (the dataclass defaults) and with every preset in configs.toml."""
+    from searchlite.config import load_preset
+
+    configs = {"no --preset": parse_args([]), "none": parse_args(["--preset", "none"])}
+    configs.update({name: Config(**load_preset(name)) for name in repo_presets()})
+    for name, cfg in configs.items():
+        assert (cfg.mask_retrieved, cfg.chat_template, cfg.resume) == (True, True, False), name
+    assert parse_args(["--mask_retrieved", "false"]).mask_retrieved is False
 
 
 # ---------------------------------------------------------------------------- check_config: before anything loads
