@@ -201,8 +201,8 @@ def test_default_preset_and_out_dir(tmp_path):
 
 def test_saved_config_round_trips(tmp_path):
     cfg = Config(group=7)
-    save_config(cfg, tmp_path / "run" / "config.json")
-    assert Config(**json.loads((tmp_path / "run" / "config.json").read_text())) == cfg
+    save_config(cfg, tmp_path / "runs" / "run" / "config.json")  # its folder made with its parents
+    assert Config(**json.loads((tmp_path / "runs" / "run" / "config.json").read_text())) == cfg
 
 
 def test_toy_paths_resolve():
@@ -526,6 +526,29 @@ def test_a_missing_file_from_a_preset_is_named_by_its_line(tmp_path):
         check_config(parse_args(["--preset", "qa"], presets=presets))
     with pytest.raises(ConfigError, match=r"^--train_data data/qa/gone.jsonl: no such file$"):  # a flag's: the flag
         check_config(parse_args(["--preset", "qa", "--train_data", "data/qa/gone.jsonl"], presets=presets))
+
+
+def test_script_help_ends_with_the_default_only_where_there_is_one(monkeypatch):
+    """HelpFormatter (retrieve.py, evaluate.py and the other argparse scripts): a flag's help ends
+    with its default, except a switch (False), a flag with no default (None, '') and help that
+    already names it."""
+    import argparse
+
+    from searchlite.config import HelpFormatter
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line a flag
+    ap = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    ap.add_argument("--size", type=int, default=64, help="rows a batch")
+    ap.add_argument("--keep", action="store_true", help="keep the files")
+    ap.add_argument("--name", default=None, help="a name")
+    ap.add_argument("--prefix", default="", help="text before")
+    ap.add_argument("--mode", default="flat", help="index kind (the default is flat)")
+    ap.add_argument("path", help="a file")
+    lines = {line.split()[0]: line.rstrip() for line in ap.format_help().splitlines() if line.startswith("  ")}
+    assert lines["--size"].endswith("rows a batch (default: 64)")
+    for flag, text in [("--keep", "keep the files"), ("--name", "a name"), ("--prefix", "text before"),
+                       ("--mode", "index kind (the default is flat)"), ("path", "a file")]:
+        assert lines[flag].endswith("  " + text), lines[flag]
 
 
 def test_help_reads_the_field_comments_under_any_locale():
