@@ -231,14 +231,19 @@ def test_repo_presets_are_valid():
 def test_every_preset_masks_retrieved_tokens_and_uses_the_chat_template():
     """The method's point: retrieved tokens get no loss unless `--mask_retrieved false` asks for
     Search-R1's ablation; a prompt goes in the tokenizer's chat template when it has one, as Search-R1
-    builds its prompts; and a run starts fresh unless told to --resume. With no --preset, with
-    `--preset none` (the dataclass defaults) and with every preset in configs.toml."""
+    builds its prompts; a run starts fresh unless told to --resume; and the memory levers are off
+    where the model fits. With no --preset, with `--preset none` (the dataclass defaults) and with
+    every preset in configs.toml."""
     from searchlite.config import load_preset
 
     configs = {"no --preset": parse_args([]), "none": parse_args(["--preset", "none"])}
     configs.update({name: Config(**load_preset(name)) for name in repo_presets()})
     for name, cfg in configs.items():
         assert (cfg.mask_retrieved, cfg.chat_template, cfg.resume) == (True, True, False), name
+        # the memory levers: off where the model fits (they only slow a run), activation checkpointing on
+        # for the 3B and 7B presets, as Search-R1's verl config has it; --ref_offload is the user's call
+        toy = name in ("no --preset", "none") or name.startswith("toy")
+        assert (cfg.grad_checkpointing, cfg.ref_offload) == (not toy, False), name
     assert parse_args(["--mask_retrieved", "false"]).mask_retrieved is False
 
 
