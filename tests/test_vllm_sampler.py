@@ -576,11 +576,13 @@ def test_engine_is_built_with_the_settings_given(make_sampler):
     assert kw["enforce_eager"] and kw["enable_prefix_caching"]
     if sampler.on_cpu:
         assert kw["kv_cache_memory_bytes"] == 2**29
-    # given none: HFSampler's defaults (the same interface), and vLLM's own batch size
+    # given none: HFSampler's defaults (the same interface), vLLM's own batch size, and the model
+    # compiled (not eager: faster rollouts once built, the module docstring's measure)
     default, hf = make_sampler(), inspect.signature(HFSampler).parameters
     shared = ("max_new_tokens", "temperature", "top_p", "seed")
     assert [getattr(default, k) for k in shared] == [hf[k].default for k in shared]
     assert default.llm.kw["seed"] == hf["seed"].default and default.llm.kw["max_num_seqs"] is None
+    assert default.llm.kw["enforce_eager"] is False
 
 
 def test_under_torchrun_each_ranks_engine_runs_in_torchruns_process_group(make_sampler, monkeypatch):
