@@ -46,7 +46,7 @@ from tqdm import tqdm
 from .data import append_log, read_log, write_durably
 from .protocol import TEMPLATE_DIR, _last_boxed, template_sets
 from .rewards import cover_exact_match, exact_match, f1_score
-from .rollout import rollout
+from .rollout import encode_text, rollout
 
 METHODS = ("direct", "cot", "rag", "search")
 # What scoring a record means, kept in a run's settings: records scored otherwise are not mixed in on a resume.
@@ -93,16 +93,6 @@ def load_prompts(prompts: str | None = None) -> dict[str, str]:
             raise ValueError(f"{path}: the {method} template needs the placeholder(s) {', '.join(missing)}")
         out[method] = text
     return out
-
-
-def encode_text(tokenizer, text: str, chat_template: bool = True) -> list[int]:
-    """Prompt ids of `text` as one user turn, in the chat template when the tokenizer has one
-    (as rollout.encode_prompt does for the agent's prompt)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def fill(template: str, **values: str) -> str:

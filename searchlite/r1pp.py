@@ -61,11 +61,11 @@ import torch
 
 from . import distributed as dist
 from .data import DataError, append_log, parse_object, read_log
-from .evaluation import encode_text, fill
+from .evaluation import fill
 from .protocol import rewrite_path
 from .retrieval import Hit
 from .rewards import cover_exact_match, format_reward, group_reward
-from .rollout import Rollout, _collate, encode_prompt, rollout
+from .rollout import Rollout, _collate, encode_prompt, encode_text, rollout
 from .sft import sft_loss
 
 # Words a rewrite may not use: the trajectory must read as recalled, not as read (§4.2.2).

@@ -57,14 +57,19 @@ class Rollout:
                        pick(self.responses), pick(self.docs) if self.docs else [])
 
 
-def encode_prompt(tokenizer, protocol, question: str, chat_template: bool = True) -> list[int]:
-    """The prompt ids: the protocol's template, in the tokenizer's chat template when it has one."""
-    text = protocol.prompt(question)
+def encode_text(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """Prompt ids of `text` as one user turn, in the tokenizer's chat template when it has one (and
+    `chat_template`), the assistant's turn opened; else the text alone, with no BOS added."""
     if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer, protocol, question: str, chat_template: bool = True) -> list[int]:
+    """The prompt ids: the protocol's template, in the tokenizer's chat template when it has one."""
+    return encode_text(tokenizer, protocol.prompt(question), chat_template)
 
 
 def rollout(sampler, retriever, tokenizer, protocol, questions: list[str], *, max_turns: int = 4,
