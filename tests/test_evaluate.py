@@ -83,6 +83,17 @@ def qa(*items):
 # ---------------------------------------------------------------------------- metrics, by hand
 
 
+def test_a_baseline_answer_that_ends_at_the_eos_is_read_without_it(tok):
+    """A sampler returns the EOS a model ends on (HFSampler and vLLM both do): direct, cot and rag
+    decode without special tokens, so "Paris" + EOS is "Paris" and scores."""
+    replies = {"capital of France": "Paris" + tok.eos_token}
+    assert ScriptedSampler(tok, replies).generate(
+        [tok.encode("Question: capital of France\n")])[0][-1] == tok.eos_token_id
+    [rec] = run_batch("direct", qa(("capital of France", ["Paris"])), ScriptedSampler(tok, replies), None, tok, P,
+                      chat_template=False)
+    assert (rec["prediction"], rec["trajectory"], rec["em"]) == ("Paris", "Paris", 1.0)
+
+
 def test_direct_metrics_hand_computed(tok):
     questions = qa(("capital of France", ["Paris"]), ("where is the Louvre", ["Paris"]), ("who knows", ["Lyon"]))
     replies = {"capital of France": "Paris", "where is the Louvre": "The city of Paris, France\nmore text",
