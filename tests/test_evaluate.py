@@ -541,6 +541,10 @@ def test_cli_resume_after_interrupt(world, tmp_path, monkeypatch, capsys):
         evaluate.main(cli(world, out, "--methods", "direct,rag", "--topk", "3", "--overwrite"))
     assert json.loads((out / "run.json").read_text())["topk"] == 3
     assert not (out / "results.json").exists() and not (out / "table.md").exists()
+    # and --overwrite over that folder, which has records but no results or table, starts over
+    monkeypatch.setattr(HFSampler, "generate", real)
+    evaluate.main(cli(world, out, "--methods", "direct", "--topk", "3", "--overwrite"))
+    assert len((out / "records.jsonl").read_text().splitlines()) == 8 and (out / "table.md").exists()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="--device cuda is no bad flag here")
