@@ -1177,6 +1177,7 @@ def test_judge_scores_records(judge_server, monkeypatch):
     judge.score(recs)
     assert [r["judge"] for r in recs] == [1.0, 0.0, 0.0]
     assert recs[1]["judge_reply"] == "False." and recs[2]["judge_reply"] == ""  # no prediction: not asked
+    assert not any("judge_cut" in r for r in recs)  # and no reply was cut off
     assert len(JudgeHandler.seen) == 4  # the check (a right and a wrong answer) and two questions
     path, body, auth = JudgeHandler.seen[-1]
     assert path == "/v1/chat/completions" and body["model"] == "judge-model" and body["temperature"] == 0
