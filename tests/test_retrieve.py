@@ -61,6 +61,16 @@ def test_build_reports_the_folder_and_its_passage_count(tmp_path, corpus_file, c
     assert re.fullmatch(re.escape(f"wrote {tmp_path / 'i'}: 10 passages in ") + r"\d+\.\ds\n", out), out
 
 
+def test_no_command_or_a_build_without_corpus_or_out_is_a_usage_error(tmp_path, corpus_file, capsys):
+    """Named by argparse before anything is read (a build without --out would have nowhere to write)."""
+    for argv, missing in (([], ""), (["build", "--out", str(tmp_path / "i")], "--corpus"),
+                          (["build", "--corpus", str(corpus_file)], "--out")):
+        with pytest.raises(SystemExit) as stop:
+            retrieve.main(argv)
+        assert stop.value.code == 2 and "the following arguments are required: " + missing in capsys.readouterr().err
+    assert not (tmp_path / "i").exists()
+
+
 def test_bm25_build_takes_the_bounds_of_k1_and_b(tmp_path, corpus_file, capsys):
     """--k1 0, --b 0 and --b 1 are in range (k1 >= 0, 0 <= b <= 1) and are the index's, not bm25s's
     defaults (1.5, 0.75); a refusal names each value out of range under its own flag, and not a flag
