@@ -911,10 +911,14 @@ def test_init_takes_cuda_local_rank_and_a_group_for_cpu_and_gpu_tensors(group, m
     fake = group(4, 3, initialized=False)
     assert dist.init(torch.device("cuda")) == torch.device("cuda", 1)
     assert set_device == [torch.device("cuda", 1)]
-    assert fake.calls == [("init_process_group", "cpu:gloo,cuda:nccl")]
+    assert fake.calls == [("init_process_group", "cpu:gloo,cuda:nccl")] and dist._own_group  # close() ends it
+    monkeypatch.setattr(dist, "_own_group", False)
     fake = group(4, 3, initialized=False)
     assert dist.init(torch.device("cpu")) == torch.device("cpu")
-    assert fake.calls == [("init_process_group", "gloo")]
+    assert fake.calls == [("init_process_group", "gloo")] and dist._own_group
+    monkeypatch.setattr(dist, "_own_group", False)
+    fake = group(4, 3)  # a group another library made: joined as it is, and not this module's to close
+    assert dist.init(torch.device("cpu")) == torch.device("cpu") and fake.calls == [] and not dist._own_group
     monkeypatch.setenv("WORLD_SIZE", "1")
     fake = group(1, 0, initialized=False)
     assert dist.init(torch.device("cpu")) == torch.device("cpu") and fake.calls == []
