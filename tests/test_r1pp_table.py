@@ -155,8 +155,10 @@ def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, mo
     ev = lambda em: {"eval/all": {"em": em, "searches": 1.0}, "eval/1hop": {"em": em, "searches": 0.5}}  # noqa: E731
     (run / "metrics.jsonl").write_text(json.dumps({"step": 0, **ev(0.25)}) + "\n" + json.dumps({"step": 1}) + "\n"
                                        + json.dumps({"step": 2, **ev(0.5)}) + '\n{"step": 3, "rew')
+    written = (run / "metrics.jsonl").read_bytes()
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
     table.main()
+    assert (run / "metrics.jsonl").read_bytes() == written  # the line train.py is writing is left to it
     out = capsys.readouterr().out
     assert "| run at its start | 0 | 0.250 | 1.00 | 0.250 / 0.50 | — | — | — |" in out
     assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | — | — | (off) |" in out
