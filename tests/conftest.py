@@ -86,6 +86,15 @@ def byte_tokenizer():
     return make_byte_tokenizer()
 
 
+def with_special_tags(tokenizer):
+    """A copy of `tokenizer` whose protocol tags are special tokens (decoding without special tokens drops them)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": TAGS})
+    return tok
+
+
 def with_bos(tokenizer):
     """A copy of `tokenizer` that puts a BOS `<s>` before whatever it encodes unless told not to, as
     Llama's tokenizers do (the byte tokenizer adds none, so a missing add_special_tokens=False is unseen)."""

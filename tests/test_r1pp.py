@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TAGS, with_bos
+from conftest import with_bos, with_special_tags
 
 import train
 from searchlite import r1pp
@@ -271,10 +271,7 @@ def test_memorization_reads_and_keeps_well_formed_trajectories_only(byte_tokeniz
 def test_a_rewrite_whose_tags_are_special_tokens_is_read_with_them(byte_tokenizer):
     """A tokenizer whose protocol tags are special tokens: the rewrite is decoded with them, so a
     well-formed one is kept (decoded without them, none would be)."""
-    import copy
-
-    tok = copy.deepcopy(byte_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": TAGS})
+    tok = with_special_tags(byte_tokenizer)
     assert tok.decode(tok.encode(internal("x"), add_special_tokens=False), skip_special_tokens=True) == \
         "I know.  x \nSo \\boxed{x}."
     doc = Hit("7", "Paris", "The capital of Fooland is Paris.", 1.0)

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_llama, with_bos
+from conftest import make_tiny_llama, with_bos, with_special_tags
 
 from searchlite.protocol import get_protocol
 from searchlite.retrieval import Hit
@@ -187,12 +187,7 @@ def test_the_chat_template_wraps_the_prompt(byte_tokenizer):
 
 def test_tags_registered_as_special_tokens_still_parse(byte_tokenizer):
     """A tokenizer whose tags are special tokens: decoded without them, every action was invalid."""
-    import copy
-
-    from conftest import TAGS
-
-    tok = copy.deepcopy(byte_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": TAGS})
+    tok = with_special_tags(byte_tokenizer)
     assert tok.decode(tok.encode("<answer> x </answer>", add_special_tokens=False), skip_special_tokens=True) == " x "
     ro, _, retriever = _run(tok, ["q-answer", "q-search"], max_turns=2)
     assert ro.answers == ["Paris", "Paris"] and ro.searches.tolist() == [0, 1] and retriever.calls == [["france capital"]]
