@@ -163,7 +163,7 @@ def test_load_runs_takes_the_steps_the_checkpoint_trained(recall, tmp_path):
         recall.load_runs([str(tmp_path / "d")])
 
 
-def test_start_flag_is_a_boolean(recall, monkeypatch):
+def test_start_flag_is_a_boolean_on_by_default_and_runs_is_required(recall, monkeypatch):
     asked = []
     run = {"r": ({"model": "m", "seed": 0, "batch_size": 1, "steps": 1, "train_data": "t"}, Path("r/checkpoint"))}
     monkeypatch.setattr(recall, "load_runs", lambda runs: run)
@@ -173,15 +173,17 @@ def test_start_flag_is_a_boolean(recall, monkeypatch):
     monkeypatch.setattr(recall, "question_sets", lambda cfg, qa, limit: {"drawn": one, "control": one})
     monkeypatch.setattr(recall, "answer", lambda model, sets, cfg: asked.append(str(model)) or
                         {"drawn": [], "control": []})
-    for flag, models in (("True", ["m", "r/checkpoint/policy"]), ("0", ["r/checkpoint/policy"])):
+    both, trained = ["m", "r/checkpoint/policy"], ["r/checkpoint/policy"]
+    for flags, models in ((["--start", "True"], both), (["--start", "0"], trained), ([], both)):  # start by default
         asked.clear()
-        monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", flag])
+        monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", *flags])
         recall.main()
         assert asked == models
-    monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", "--runs", "r", "--start", "maybe"])
-    with pytest.raises(SystemExit) as e:
-        recall.main()
-    assert e.value.code == 2
+    for argv in (["--runs", "r", "--start", "maybe"], []):  # and --runs is required
+        monkeypatch.setattr(sys, "argv", ["r1pp_recall.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            recall.main()
+        assert e.value.code == 2
 
 
 def test_question_sets_without_a_famous_flag_are_plain(recall):
