@@ -247,6 +247,36 @@ def test_every_preset_masks_retrieved_tokens_and_uses_the_chat_template():
     assert parse_args(["--mask_retrieved", "false"]).mask_retrieved is False
 
 
+def test_the_defaults_and_the_paper_presets_carry_the_papers_settings():
+    """The built-in defaults follow Search-R1's released scripts, with verl's clip ranges and gradient
+    clip they keep (verl's top-p, entropy bonus and weight decay are the presets'); the 3B and 7B
+    presets follow the scripts with their batch shape and schedule; r1pp-qwen2.5-7b holds
+    R1-Searcher++'s Appendix A, and toy-r1pp its mu and eta. Doubling one of config.py's passed
+    test_config, and no test read the real-model presets' values."""
+    from searchlite.config import load_preset
+
+    def settings(cfg, want):
+        return {k: getattr(cfg, k) for k in want}
+
+    search_r1 = dict(lr=1e-6, critic_lr=1e-5, clip_eps=0.2, value_clip_eps=0.5, grad_clip=1.0, kl_coef=1e-3,
+                     gamma=1.0, lam=1.0, topk=3, max_turns=4, max_obs_tokens=500, temperature=1.0, eta=2.0)
+    assert settings(Config(), search_r1) == search_r1
+    plain = dict(top_p=1.0, entropy_coef=0.0, weight_decay=0.0)  # verl's top-p, entropy bonus and decay: presets
+    assert settings(Config(), plain) == plain
+    scripts = search_r1 | dict(batch_size=512, mini_batch_size=256, steps=1005, warmup_steps=286, max_new_tokens=500,
+                               max_len=4096, top_p=0.95, entropy_coef=1e-3, weight_decay=0.01)
+    for size in ("3b", "7b"):
+        grpo, ppo = (Config(**load_preset(f"qwen2.5-{size}-{algo}")) for algo in ("grpo", "ppo"))
+        want = scripts | dict(algo="grpo", group=5, kl_kind="k3")
+        assert settings(grpo, want) == want, size
+        want = scripts | dict(algo="ppo", group=1, critic_warmup_steps=15)
+        assert settings(ppo, want) == want, size
+    r1pp = dict(algo="reinforce_pp", reward="r1pp", group_reward=True, mem_coef=0.1, eta=2.0)
+    appendix_a = r1pp | dict(group=16, lr=2e-6, temperature=1.0, top_p=0.95, max_turns=8, kl_coef=1e-4)
+    assert settings(Config(**load_preset("r1pp-qwen2.5-7b")), appendix_a) == appendix_a
+    assert settings(Config(**load_preset("toy-r1pp")), r1pp) == r1pp
+
+
 # ---------------------------------------------------------------------------- check_config: before anything loads
 
 def checked(*flags):
