@@ -186,7 +186,8 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
 
 def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch):
     """micro_batch_size splits each SFT step into forward/backward passes; each adds its tokens'
-    share of the whole batch's mean NLL, so every step's loss and gradient are the ones without it."""
+    share of the whole batch's mean NLL, so every step's loss and gradient are the ones without it,
+    and the loss it reports is that mean."""
     from conftest import make_tiny_llama
 
     g = torch.Generator().manual_seed(0)
@@ -217,6 +218,8 @@ def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch
         runs.append((losses, grads))
     (l0, g0), (l2, g2) = runs
     assert len(l0) == len(g0) == 2 and l0 == pytest.approx(l2, rel=1e-6)
+    mean_nll = real_loss(make_tiny_llama(byte_tokenizer, seed=3), ids, mask, attn).item()  # the weights lr 0 kept
+    assert l0 == pytest.approx([mean_nll] * 2, rel=1e-6)  # each step's reported loss: its batch's mean NLL
     for step0, step2 in zip(g0, g2):
         for a, b in zip(step0, step2):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
