@@ -147,6 +147,26 @@ def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
         assert text.endswith(f"<answer> {plain[i].answers[0]} </answer>") and loss[i, n - 1] == 1
 
 
+def test_the_careful_teacher_searches_every_hop_and_answers_right(toy):
+    """CAREFUL, the warm start's first phase, makes no mistake on any kind of question: a bridge
+    question is not answered with its bridge entity, nor a comparison after one lookup (the stop
+    rate matters only past the first hop, so a 1-hop test alone passed with it at 1)."""
+    from searchlite.warmstart import CAREFUL, teacher_data
+
+    tok, qa, retriever = toy
+    picked = [q for kind in ("1hop", "2hop", "comparison")
+              for q in [q for q in qa if q.meta["type"] == kind and not any(h["famous"] for h in q.meta["hops"])][:3]]
+    ids, loss, att = teacher_data(tok, picked, retriever, [0, 1], famous_repeats=0, teacher=CAREFUL)
+    assert len(ids) == 2 * len(picked)
+    for i in range(len(ids)):
+        n = int(att[i].sum())
+        text = tok.decode(ids[i, :n], skip_special_tokens=False)
+        q = next(q for q in picked if q.question in text)
+        trained = tok.decode(ids[i][loss[i] == 1], skip_special_tokens=False)
+        assert trained.count("<search>") == len(q.meta["hops"]), (q.meta["type"], text)
+        assert text.endswith(f"<answer> {q.answers[0]} </answer>"), (q.meta["type"], text)
+
+
 def test_teacher_data_repeats_famous_questions_and_draws_each_seed_afresh(toy):
     from searchlite.warmstart import teacher_data
 
