@@ -81,12 +81,13 @@ def test_each_epoch_draws_another_batch_order_and_the_lr_follows_the_documented_
 
 
 def test_weight_decay_reaches_the_optimizer(byte_tokenizer):
-    """AdamW's own default is 0.01: sft's 0.0 must be passed on, and so must another value."""
+    """AdamW's own default is 0.01: sft's 0.0, its default (the warm start's), must be passed on, and
+    so must another value."""
     ids, mask, attention = rows(byte_tokenizer, n=4)
     trained = []
-    for wd in (0.0, 0.0, 0.5):
+    for decay in ({}, {"weight_decay": 0.0}, {"weight_decay": 0.5}):
         model = make_tiny_llama(byte_tokenizer)
-        sft(model, ids, mask, attention_mask=attention, lr=1e-2, batch_size=2, weight_decay=wd, progress=False)
+        sft(model, ids, mask, attention_mask=attention, lr=1e-2, batch_size=2, progress=False, **decay)
         trained.append(model.state_dict())
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     assert same(trained[0], trained[1]) and not same(trained[0], trained[2])
@@ -202,19 +203,20 @@ def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch
     real_clip, real_loss = torch.nn.utils.clip_grad_norm_, sft_module.sft_loss
     runs = []
     for micro in (0, 2):
-        grads, passes = [], []  # each step's gradient, as the optimizer gets it; rows per forward pass
+        grads, passes, norms = [], [], []  # each step's gradient, as the optimizer gets it; rows per forward pass
         monkeypatch.setattr(sft_module, "sft_loss", lambda m, ids, *a: passes.append(len(ids)) or real_loss(m, ids, *a))
 
-        def clip(params, *a, **k):
+        def clip(params, max_norm, *a, **k):
             params = list(params)
             grads.append([p.grad.clone() for p in params])
-            return real_clip(params, *a, **k)
+            norms.append(max_norm)
+            return real_clip(params, max_norm, *a, **k)
 
         monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
         model = make_tiny_llama(byte_tokenizer, seed=3)
         losses = sft(model, ids, mask, attention_mask=attn, epochs=2, lr=0.0, batch_size=5, micro_batch_size=micro,
                      warmup=1, progress=False)  # lr 0: both runs take their steps from the same weights
-        assert passes == ([5, 5] if micro == 0 else [2, 2, 1] * 2)
+        assert passes == ([5, 5] if micro == 0 else [2, 2, 1] * 2) and norms == [1.0, 1.0]  # the default clip
         runs.append((losses, grads))
     (l0, g0), (l2, g2) = runs
     assert len(l0) == len(g0) == 2 and l0 == pytest.approx(l2, rel=1e-6)
