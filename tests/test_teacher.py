@@ -149,3 +149,40 @@ def test_every_answer_turn_ends_with_eos():
     assert teacher.recall("Varn").endswith("\\boxed{Varn}.<eos>")
     searched, n = play(Teacher(TOK, PP, [q], seed=0, **(EXACT | {"p_famous_internal": 0.0})), q.question)
     assert n == 2 and searched.endswith("\\boxed{Varn}.<eos>")
+
+
+def test_each_mistake_fires_at_its_default_rate():
+    """The warm start's teacher takes its defaults: guess 0.3, recall a famous question 0.9, stop
+    after the first hop 0.45, search verbatim 0.05, copy a wrong span 0.05 (the module docstring's
+    list). Each is measured alone, the others off, over 4000 decisions of one seeded stream
+    (so the share is fixed): within 0.02 of its rate, 2.5 standard errors at 0.45. A doubled rate
+    passed the tests above, which set each mistake's rate to 1 or 0."""
+    import inspect
+
+    rates = {k: p.default for k, p in inspect.signature(Teacher).parameters.items() if k.startswith("p_")}
+    assert rates == {"p_guess": 0.3, "p_famous_internal": 0.9, "p_stop": 0.45, "p_verbatim": 0.05,
+                     "p_wrong_span": 0.05}
+    plain = QA("4", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})
+    famous = QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", True)]})
+    bridge = QA("3", "In which region was Lira Dun born?", ["Varn"],
+                {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", False), hop("Tesk", "Varn", False)]})
+    lo_pim = QA("8", "When was Lo Pim born?", ["1803"], {"type": "1hop", "hops": [hop("Lo Pim", "1803", False)]})
+    qa = [plain, famous, bridge, lo_pim]
+    read = (f"Question: {plain.question}\nI need to search Bo Sel. <|begin_external_search|> Bo Sel "
+            f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Bo Sel) Bo Sel (born 1801, baptised 1803).\n"
+            f"{PP.info_close}\n")
+    after_one_hop = (f"Question: {bridge.question}\nI need to search Lira Dun. <|begin_external_search|> Lira Dun "
+                     f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Lira Dun) {PASSAGES['Lira Dun']}\n"
+                     f"{PP.info_close}\n")
+    checks = {  # the rate's name: (the context of the decision, whether the turn shows the mistake)
+        "p_guess": (f"Question: {plain.question}\n", lambda out: "<|begin_internal_answer|>" in out),
+        "p_famous_internal": (f"Question: {famous.question}\n", lambda out: "<|begin_internal_answer|>" in out),
+        "p_stop": (after_one_hop, lambda out: "<|begin_external_search|>" not in out),
+        "p_verbatim": (f"Question: {plain.question}\n", lambda out: f"> {plain.question} <" in out),
+        "p_wrong_span": (read, lambda out: PP.parse(out).content == "1803"),
+    }
+    n = 4000
+    for name, (context, mistake) in checks.items():
+        teacher = Teacher(TOK, PP, qa, seed=0, **{k: v for k, v in EXACT.items() if k != name})  # name: its default
+        share = sum(mistake(teacher.turn(context)) for _ in range(n)) / n
+        assert share == pytest.approx(rates[name], abs=0.02), name
