@@ -57,7 +57,7 @@ def test_recall_tallies_no_search_answers(recall):
                {"em": 0.0, "searches": 1}]
     got = recall.recall(records)
     assert got == {"n": 4, "no_search": 0.5, "no_search_em": 0.5, "no_search_right": 0.25, "em": 0.5}
-    assert recall.recall([])["n"] == 0
+    assert recall.recall([]) == {"n": 0, "no_search": 0.0, "no_search_em": 0.0, "no_search_right": 0.0, "em": 0.0}
     unanswered = {"em": 0.0, "searches": 0, "answered": 0.0}  # no search and no answer: nothing recalled
     assert recall.recall(records + [unanswered])["no_search"] == 2 / 5
 
