@@ -218,8 +218,10 @@ def main(argv=None) -> dict:
     # ------------------------------------------------------------------ old / reference log-probs
     t0 = sync(device)
     on_policy = train.one_step_on_policy(cfg, len(ro))  # as train.py: no scoring pass for the old log-probs
-    old_logp = None if on_policy else train.score_tokens(policy, ro, cfg.micro_batch_size, device)  # (N, T)
-    ref_logp = train.score_tokens(ref, ro, cfg.micro_batch_size, device)  # (N, T)
+    score = dict(size=cfg.micro_batch_size, device=device, temperature=cfg.temperature,
+                 max_tokens=cfg.micro_batch_tokens)  # as train.py scores
+    old_logp = None if on_policy else train.score_tokens(policy, ro, **score)  # (N, T)
+    ref_logp = train.score_tokens(ref, ro, **score)  # (N, T)
     t_score = sync(device) - t0
     print(f"scoring: {'reference' if on_policy else 'old + reference'} log-probs, {t_score:.1f}s", flush=True)
 
@@ -244,7 +246,7 @@ def main(argv=None) -> dict:
         ref.to("cpu")  # --ref_offload's path: kept in CPU memory, moved to the device only to score
         t0 = sync(device)
         with on_device(ref, device, enabled=True):
-            offloaded = train.score_tokens(ref, ro, cfg.micro_batch_size, device)  # (N, T)
+            offloaded = train.score_tokens(ref, ro, **score)  # (N, T)
         t_offload = sync(device) - t0
         diff = float((offloaded - ref_logp).abs().max())
         if diff > 0:
