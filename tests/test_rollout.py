@@ -18,10 +18,11 @@ class ScriptedSampler:
     """Replies from a per-question script; records every call's contexts."""
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
-        self.tok, self.scripts, self.calls = tokenizer, scripts, []
+        self.tok, self.scripts, self.calls, self.asked = tokenizer, scripts, [], []
 
     def generate(self, prompts, stop=(), greedy=False, budget=None):
         self.calls.append(len(prompts))
+        self.asked.append((stop, greedy))
         out = []
         for ids in prompts:
             text = self.tok.decode(ids)
@@ -68,6 +69,9 @@ def test_branches(byte_tokenizer):
     assert ro.answered.tolist() == [True, True, True, False, True]
     # batched: one generate call per turn over the active trajectories only
     assert sampler.calls == [5, 4, 1]
+    # each turn stops at the protocol's stop strings, sampling unless asked for greedy (evaluation)
+    assert P.stop == ("</search>", "</answer>") and sampler.asked == [(P.stop, False)] * 3
+    assert _run(tok, ["q-answer"], greedy=True)[1].asked == [(P.stop, True)]
     # one retriever call per turn; duplicates are passed on (the retriever dedups)
     assert retriever.calls == [["france capital", "a", "france capital"], ["b"]]
     # the forced final turn executes no search: "c" was never retrieved
