@@ -257,6 +257,22 @@ def test_resume_is_exact(tiny_model, tmp_path, varied_reward):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), model
 
 
+def test_a_bf16_resume_is_exact_with_the_float32_reference_a_fresh_run_has(tiny_model, tmp_path, varied_reward):
+    """--dtype bfloat16 keeps float32 master weights and computes in bf16; a fresh run's reference
+    is a copy of that policy, a resumed run's is loaded again from the model, and must be held the
+    same way, or its log-probs, and so the KL and the updates, differ from an uninterrupted run's
+    (loading it in bf16 passed the resume tests, all of them float32)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    bf16 = ["--dtype", "bfloat16", "--kl_coef", "0.5"]
+    train.main(args(tiny_model, full, "grpo", steps=3, extra=bf16))
+    train.main(args(tiny_model, part, "grpo", steps=1, extra=bf16))
+    train.main(args(tiny_model, part, "grpo", steps=3, extra=[*bf16, "--resume"]))
+    keep = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "t_rollout", "t_push")  # noqa: E731
+                      and not (r["step"] == 1 and k.startswith("eval/"))}  # (the part run evaluated at its stop)
+    a, b = ({r["step"]: keep(r) for r in metrics(run)} for run in (full, part))
+    assert a == b and a[3]["kl"] > 0
+
+
 def test_scoring_passes_run_in_eval_mode_and_the_update_in_training_mode(tiny_model, tmp_path, monkeypatch,
                                                                         varied_reward):
     """Each step scores old log-probs, reference log-probs and values with dropout off (eval mode),
