@@ -185,6 +185,21 @@ def test_a_state_saved_with_other_settings_is_refused(byte_tokenizer, tmp_path):
         sft(make_tiny_llama(byte_tokenizer), ids, mask, seed=2, run={"--seed": 1}, **kw)
 
 
+@pytest.mark.parametrize("setting, saved, now", [("epochs", 1, 2), ("batch_size", 2, 4), ("warmup", 20, 5),
+                                                 ("weight_decay", 0.0, 0.1), ("grad_clip", 1.0, 0.5), ("seed", 0, 1)])
+def test_a_state_saved_with_another_schedule_or_optimizer_setting_is_refused(byte_tokenizer, tmp_path, setting, saved,
+                                                                              now):
+    """Each setting that shapes the steps is in the saved state's settings, so a resume with
+    another is refused (left out of them, any of these passed the test above)."""
+    from searchlite.config import ConfigError
+
+    ids, mask, attention = rows(byte_tokenizer, n=4)
+    kw = dict(attention_mask=attention, batch_size=2, progress=False, state_path=tmp_path / "s.pt")
+    sft(make_tiny_llama(byte_tokenizer), ids, mask, **(kw | {setting: saved}))
+    with pytest.raises(ConfigError, match=rf"s.pt: saved by a run with {setting} = {saved}, this one has {now}; "):
+        sft(make_tiny_llama(byte_tokenizer), ids, mask, **(kw | {setting: now}))
+
+
 def test_micro_batches_give_the_whole_batch_gradient(byte_tokenizer, monkeypatch):
     """micro_batch_size splits each SFT step into forward/backward passes; each adds its tokens'
     share of the whole batch's mean NLL, so every step's loss and gradient are the ones without it,
