@@ -240,13 +240,24 @@ def test_a_utf8_template_is_read_under_an_ascii_locale(tmp_path):
     """Templates (and prompt sets, rewrite prompts, judge prompts) are UTF-8 files, whatever the locale."""
     from conftest import run_under_ascii_locale
 
+    from searchlite.evaluation import load_prompts
+    from searchlite.judge import Judge
+
     (tmp_path / "t.txt").write_text("Frage \u2014 {question}\nAntwort:", encoding="utf-8")
-    script = ("import sys; from searchlite.protocol import get_protocol; "
-              "print(ascii(get_protocol('search_r1', sys.argv[1]).template))")
-    done = run_under_ascii_locale(script, str(tmp_path / "t.txt"))
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "direct.txt").write_text("Frage \u2014 {question}\nAntwort:", encoding="utf-8")
+    (tmp_path / "judge.txt").write_text("\u00bf{question} {golden_answers} {prediction}?", encoding="utf-8")
+    script = ("import sys; from searchlite.protocol import get_protocol; from searchlite.evaluation import "
+              "load_prompts; from searchlite.judge import Judge; "
+              "print(ascii(get_protocol('search_r1', sys.argv[1]).template)); "
+              "print(ascii(load_prompts(sys.argv[2])['direct'])); "
+              "print(ascii(Judge('http://x', 'm', sys.argv[3]).template))")
+    done = run_under_ascii_locale(script, *(str(tmp_path / name) for name in ("t.txt", "set", "judge.txt")))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ascii(get_protocol("search_r1", str(tmp_path / "t.txt")).template)
-    assert "Frage \\u2014 " in done.stdout  # ascii() of the em dash
+    assert done.stdout.splitlines() == [ascii(get_protocol("search_r1", str(tmp_path / "t.txt")).template),
+                                        ascii(load_prompts(str(tmp_path / "set"))["direct"]),
+                                        ascii(Judge("http://x", "m", str(tmp_path / "judge.txt")).template)]
+    assert "Frage \\u2014 " in done.stdout and "\\xbf" in done.stdout  # ascii() of the em dash and of the "¿"
 
 
 def test_default_templates_follow_the_papers():
