@@ -94,6 +94,25 @@ def test_a_baseline_answer_that_ends_at_the_eos_is_read_without_it(tok):
     assert (rec["prediction"], rec["trajectory"], rec["em"]) == ("Paris", "Paris", 1.0)
 
 
+def test_a_baseline_stops_at_its_answer_or_at_a_question_of_its_own(tok):
+    """The baselines ask the sampler to stop at "</answer>" and where the model starts a "Question:" of
+    its own, as the search turns do: the record keeps what came before, not what a model writes on
+    (dropping the stop strings passed every test of this file: the answer read was the same)."""
+
+    class StopSampler(ScriptedSampler):  # honours stop strings as HFSampler and vLLM do: kept, then cut
+        def generate(self, prompts, stop=(), **kw):
+            texts = [self.tok.decode(out) for out in super().generate(prompts, stop, **kw)]
+            ends = [[t.index(s) + len(s) for s in stop if s in t] for t in texts]
+            return [self.tok.encode(t[:min(e)] if e else t, add_special_tokens=False) for t, e in zip(texts, ends)]
+
+    replies = {"capital of France": "Paris\nQuestion: capital of Italy?\nAnswer: Rome",
+               "where is the Louvre": "<answer> Paris </answer> It is in the 1st arrondissement."}
+    for method in ("direct", "cot", "rag"):
+        recs = run_batch(method, qa(("capital of France", ["Paris"]), ("where is the Louvre", ["Paris"])),
+                         StopSampler(tok, replies), FakeRetriever(), tok, P, chat_template=False)
+        assert [r["trajectory"] for r in recs] == ["Paris\nQuestion:", "<answer> Paris </answer>"], method
+
+
 def test_direct_metrics_hand_computed(tok):
     questions = qa(("capital of France", ["Paris"]), ("where is the Louvre", ["Paris"]), ("who knows", ["Lyon"]))
     replies = {"capital of France": "Paris", "where is the Louvre": "The city of Paris, France\nmore text",
