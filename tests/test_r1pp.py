@@ -811,8 +811,8 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
     """The full recipe for 2 steps, the rewrites stubbed (stub_rewrites)."""
     seen_samplers = []
     stub_rewrites(monkeypatch, load_tokenizer(tiny_model), seen_samplers)
-    out = tmp_path / "full"
-    train.main(stage2_args(tiny_model, out))
+    out, sampling = tmp_path / "full", ["--top_p", "0.9", "--gen_batch_size", "3"]  # (neither HFSampler's default)
+    train.main(stage2_args(tiny_model, out, sampling))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -826,12 +826,15 @@ def test_two_stage2_steps_give_finite_losses(tiny_model, tmp_path, monkeypatch):
     rewriter.generate([[5, 9, 12]], max_new_tokens=2, greedy=True)
     hook.remove()
     assert ran
-    seed = json.loads((out / "config.json").read_text())["seed"]
-    # the rewriter samples its own stream (sampler.call_seed), never the policy sampler's
-    # (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
-    assert [s.seed - seed for s in seen_samplers] == [1_000_003] * 2
+    cfg = json.loads((out / "config.json").read_text())
+    # the rewriter samples as the policy does (its turn length, temperature, top-p, batches: dropping any of
+    # them passed every test that reaches the line), from its own stream (sampler.call_seed), never the policy
+    # sampler's (it started 7,919 calls later, so a long run's rewrites replayed its rollouts' noise)
+    assert {(s.max_new_tokens, s.temperature, s.top_p, s.batch_size) for s in seen_samplers} == {
+        (cfg["max_new_tokens"], cfg["temperature"], 0.9, 3)} and cfg["temperature"] != 1.0
+    assert [s.seed - cfg["seed"] for s in seen_samplers] == [1_000_003] * 2
     assert (out / "trajectories" / "step00002-memorization.html").exists()
-    train.main(stage2_args(tiny_model, out, ["--steps", "3", "--resume"]))  # the rewriter's seed stream resumes too
+    train.main(stage2_args(tiny_model, out, [*sampling, "--steps", "3", "--resume"]))  # its seed stream resumes too
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
 
 
