@@ -134,10 +134,11 @@ class ScriptedSampler:
     """Writes a fixed turn for each question (looked up in the prompt), per turn number."""
 
     def __init__(self, tok, scripts: dict):
-        self.tok, self.scripts, self.prompts = tok, scripts, []
+        self.tok, self.scripts, self.prompts, self.stops = tok, scripts, [], []
 
     def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None):
         out = []
+        self.stops.append(stop)
         for p in prompts:
             text = self.tok.decode(p, skip_special_tokens=False)
             self.prompts.append(text)
@@ -266,6 +267,7 @@ def test_memorization_reads_and_keeps_well_formed_trajectories_only(byte_tokeniz
     mem, tried = r1pp.memorization_batch(sampler, byte_tokenizer, PP, r1pp.rewrite_template(PP, "toy"), ro,
                                          [QA("a", "q-a", ["Paris"]), QA("b", "q-b", ["Paris"])], chat_template=False)
     assert tried == 1 and len(mem) == 1 and all("Question: q-b" in p for p in sampler.prompts)
+    assert sampler.stops == [PP.stop] == [("<|end_external_search|>",)]  # a rewrite that searches ends there
 
 
 def test_a_rewrite_whose_tags_are_special_tokens_is_read_with_them(byte_tokenizer):
