@@ -359,6 +359,20 @@ def test_rejection_sampling_resumes_where_it_stopped(tmp_path):
     assert [other.responses, other.answers] != [whole.responses, whole.answers]
 
 
+def test_a_sampling_log_naming_a_utf8_path_resumes_under_an_ascii_locale(tmp_path):
+    """The log is written in UTF-8 (append_log) and read back so, whatever the locale: a model or data
+    path with an accent resumes (read in the locale's encoding, it passed the tests that reach the line)."""
+    from conftest import run_under_ascii_locale
+
+    fields = {"model": "mod\u00e8les/m", "group": 2}
+    log = r1pp.open_sampling_log(tmp_path / "log.jsonl", fields, False)
+    script = ("import sys; from pathlib import Path; from searchlite.r1pp import open_sampling_log; "
+              "print(open_sampling_log(Path(sys.argv[1]), {'model': 'mod\\u00e8les/m', 'group': 2}, True) "
+              "== Path(sys.argv[1]))")
+    done = run_under_ascii_locale(script, str(log))
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+
+
 def test_a_resumed_sampling_log_must_match_the_run(tmp_path):
     fields = {"group": 2, "seed": 0, "model": "m"}
     log = r1pp.open_sampling_log(tmp_path / "log.jsonl", fields, False)
