@@ -796,11 +796,22 @@ def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys, 
                                 f"`python train.py --preset toy-r1pp`\n\n{r1pp.USAGE}")
 
 
-def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path):
-    with pytest.raises(SystemExit, match="no sampled trajectory"):  # a random model writes no valid trajectory
+def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path, monkeypatch):
+    """A random model writes no valid trajectory. It sampled with the run's settings, as train.py
+    samples, and loaded as --master_weights says (dropping any of them passed the tests that reach
+    the line)."""
+    from searchlite import models, sampler
+
+    made, loaded, real_sampler, real_load = [], [], sampler.HFSampler, models.load_policy
+    monkeypatch.setattr(sampler, "HFSampler", lambda *a, **kw: made.append(kw) or real_sampler(*a, **kw))
+    monkeypatch.setattr(models, "load_policy", lambda *a, **kw: loaded.append(kw) or real_load(*a, **kw))
+    with pytest.raises(SystemExit, match="no sampled trajectory"):
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--cold_start_sampler", "policy", "--model", tiny_model,
                    "--out_dir", str(tmp_path), "--sft_questions", "2", "--group", "2", "--max_new_tokens", "4",
-                   "--max_turns", "1", "--sft_rewrites", "0"])
+                   "--max_turns", "1", "--sft_rewrites", "0", "--temperature", "0.5", "--top_p", "0.9", "--seed", "7",
+                   "--gen_batch_size", "3", "--master_weights", "false"])
+    assert made == [dict(max_new_tokens=4, temperature=0.5, top_p=0.9, seed=7, batch_size=3)]
+    assert [kw.get("master") for kw in loaded] == [False]
 
 
 def stage2_args(model, out, extra=()):
