@@ -463,17 +463,19 @@ TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 @pytest.mark.parametrize("offload", [[], ["--ref_offload"]], ids=["ref", "ref_offload"])
 def test_torchrun_train_smoke(tiny_model, tmp_path, offload):
     """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics
-    file; also with the reference's shards kept in CPU memory (--ref_offload)."""
+    file; also with the reference's shards kept in CPU memory (--ref_offload). The 3 test questions
+    do not split evenly over the 2 ranks: the evaluation answers each once (a share of 2 and of 1)."""
     from test_train import args
 
     out = tmp_path / "run"
     cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2",
-           "--batch_size", "4", *offload]
+           "--batch_size", "4", "--eval_size", "3", *offload]
     res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # written once, by rank 0
+    assert [r["eval/all"]["n"] for r in rows if "eval/all" in r] == [3, 3]  # steps 0 and 2
     assert res.stdout.count("step    2 |") == 1  # printed once
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
     assert (out / "checkpoint" / "policy" / "model.safetensors").exists()
