@@ -1128,6 +1128,17 @@ def test_token_budget_micro_batches_sum_to_the_whole_gradient(tiny_llama, byte_t
         torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
 
 
+def test_the_scoring_passes_keep_to_the_token_budget_too(tiny_model, tmp_path, monkeypatch, varied_reward):
+    """--micro_batch_tokens caps the passes that score the old and reference log-probs and the values
+    as it caps the update's: they hold the same activations (dropped from them, it changed no result
+    and passed every test that reaches the lines: only memory would grow)."""
+    budgets, real = [], train.passes
+    monkeypatch.setattr(train, "passes", lambda n, size, lengths, max_tokens=0: budgets.append(max_tokens) or
+                        real(n, size, lengths, max_tokens))
+    train.main(args(tiny_model, tmp_path / "run", "ppo", steps=1, extra=["--micro_batch_tokens", "500"]))
+    assert len(budgets) == 4 and set(budgets) == {500}  # old log-probs, reference, values; then the update
+
+
 def _policy_logps(model, ro, temperature):
     """{(b, t): log p(input_ids[b, t]) at `temperature`} for every policy token, one softmax at a time."""
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits  # (N, T, V)
