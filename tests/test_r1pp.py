@@ -779,8 +779,13 @@ def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys, 
         r1pp.main(["stage1", "--lr", "1e-5"])  # stage 1's learning rate is --sft_lr
     with pytest.raises(SystemExit):
         r1pp.main(["stage1", "--help"])
-    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  --")}
     assert listed == {f"--{name}" for name in r1pp.STAGE1_FIELDS} and "--lr" not in listed
+    # its own name, default preset and words for the flags it reads otherwise than train.py (dropping any of
+    # them passed the tests that reach the line)
+    assert out.startswith("usage: python -m searchlite.r1pp stage1") and "'toy-r1pp-sft'" in out
+    assert " ".join(r1pp.STAGE1_HELP["group"].split()[:5]) in " ".join(out.split())
     monkeypatch.setattr("sys.argv", ["r1pp.py", "stage1", "--help"])  # no argv: the command line's, after its name
     with pytest.raises(SystemExit):
         r1pp.main()
