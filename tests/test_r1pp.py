@@ -803,20 +803,26 @@ def test_stage1_refuses_a_flag_it_does_not_read_and_lists_what_it_reads(capsys, 
 
 def test_stage1_says_so_when_nothing_is_kept(tiny_model, tmp_path, monkeypatch):
     """A random model writes no valid trajectory. It sampled with the run's settings, as train.py
-    samples, and loaded as --master_weights says (dropping any of them passed the tests that reach
-    the line)."""
+    samples, rolled out with its limits and its chat-template choice, and loaded as --master_weights
+    says (dropping the sampler's settings, the master flag or the chat-template choice passed the
+    tests that reach the line)."""
     from searchlite import models, sampler
 
-    made, loaded, real_sampler, real_load = [], [], sampler.HFSampler, models.load_policy
+    made, loaded, rolled = [], [], []
+    real_sampler, real_load, real_rollout = sampler.HFSampler, models.load_policy, r1pp.rollout
     monkeypatch.setattr(sampler, "HFSampler", lambda *a, **kw: made.append(kw) or real_sampler(*a, **kw))
     monkeypatch.setattr(models, "load_policy", lambda *a, **kw: loaded.append(kw) or real_load(*a, **kw))
+    monkeypatch.setattr(r1pp, "rollout", lambda *a, **kw: rolled.append(kw) or real_rollout(*a, **kw))
     with pytest.raises(SystemExit, match="no sampled trajectory"):
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--cold_start_sampler", "policy", "--model", tiny_model,
                    "--out_dir", str(tmp_path), "--sft_questions", "2", "--group", "2", "--max_new_tokens", "4",
                    "--max_turns", "1", "--sft_rewrites", "0", "--temperature", "0.5", "--top_p", "0.9", "--seed", "7",
-                   "--gen_batch_size", "3", "--master_weights", "false"])
+                   "--gen_batch_size", "3", "--master_weights", "false", "--chat_template", "false",
+                   "--topk", "2", "--max_obs_tokens", "50", "--max_len", "300"])
     assert made == [dict(max_new_tokens=4, temperature=0.5, top_p=0.9, seed=7, batch_size=3)]
     assert [kw.get("master") for kw in loaded] == [False]
+    assert rolled and all(kw == dict(max_turns=1, topk=2, max_obs_tokens=50, max_len=300, chat_template=False)
+                          for kw in rolled)  # the rollouts take the run's settings too
 
 
 def stage2_args(model, out, extra=()):
