@@ -83,6 +83,12 @@ def qa(*items):
 # ---------------------------------------------------------------------------- metrics, by hand
 
 
+def cut_at_stop(text: str, stop) -> str:
+    """`text` up to the end of its first stop string, kept, as HFSampler and vLLM return a turn."""
+    ends = [text.index(s) + len(s) for s in stop if s in text]
+    return text[:min(ends)] if ends else text
+
+
 def test_a_baseline_answer_that_ends_at_the_eos_is_read_without_it(tok):
     """A sampler returns the EOS a model ends on (HFSampler and vLLM both do): direct, cot and rag
     decode without special tokens, so "Paris" + EOS is "Paris" and scores."""
@@ -99,11 +105,10 @@ def test_a_baseline_stops_at_its_answer_or_at_a_question_of_its_own(tok):
     its own, as the search turns do: the record keeps what came before, not what a model writes on
     (dropping the stop strings passed every test of this file: the answer read was the same)."""
 
-    class StopSampler(ScriptedSampler):  # honours stop strings as HFSampler and vLLM do: kept, then cut
+    class StopSampler(ScriptedSampler):  # honours stop strings as HFSampler and vLLM do
         def generate(self, prompts, stop=(), **kw):
-            texts = [self.tok.decode(out) for out in super().generate(prompts, stop, **kw)]
-            ends = [[t.index(s) + len(s) for s in stop if s in t] for t in texts]
-            return [self.tok.encode(t[:min(e)] if e else t, add_special_tokens=False) for t, e in zip(texts, ends)]
+            return [self.tok.encode(cut_at_stop(self.tok.decode(out), stop), add_special_tokens=False)
+                    for out in super().generate(prompts, stop, **kw)]
 
     replies = {"capital of France": "Paris\nQuestion: capital of Italy?\nAnswer: Rome",
                "where is the Louvre": "<answer> Paris </answer> It is in the 1st arrondissement."}
@@ -1551,8 +1556,7 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
         def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None):
             reply = ["I see.\nQuestion: who else? <answer> wrong </answer>", "<answer> right </answer>"][self.turns]
             self.turns += 1
-            ends = [reply.index(s) + len(s) for s in stop if s in reply]
-            return [byte_tokenizer.encode(reply[:min(ends)] if ends else reply, add_special_tokens=False)] * len(prompts)
+            return [byte_tokenizer.encode(cut_at_stop(reply, stop), add_special_tokens=False)] * len(prompts)
 
     qa = [QA("1", "what?", ["right"], {})]
     _, records = score_qa(StopSampler(), FakeRetriever(), byte_tokenizer, get_protocol("search_r1"), qa,
