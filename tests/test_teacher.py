@@ -58,10 +58,12 @@ def test_two_hop_recalls_only_when_every_hop_is_famous(famous, searches):
 
 
 def test_comparison_looks_up_both_years_and_compares():
+    """The second lookup's thought says what the first one read (dropped, it passed the other tests)."""
     q = QA("2", "Who was born first, Bo Sel or Ri Tam?", ["Ri Tam"],
            {"type": "comparison", "hops": [hop("Bo Sel", "1801", True), hop("Ri Tam", "1799", False)]})
     response, n = play(Teacher(TOK, PP, [q], seed=0, **EXACT), q.question)
     assert n == 2 and answer(response) == "Ri Tam" and well_formed(response, PP)
+    assert "I found 1801. I need to search Ri Tam." in response
 
 
 def test_a_guess_answers_at_once_with_a_value_of_the_same_kind():
@@ -186,3 +188,20 @@ def test_each_mistake_fires_at_its_default_rate():
         teacher = Teacher(TOK, PP, qa, seed=0, **{k: v for k, v in EXACT.items() if k != name})  # name: its default
         share = sum(mistake(teacher.turn(context)) for _ in range(n)) / n
         assert share == pytest.approx(rates[name], abs=0.02), name
+
+
+def test_generate_gives_the_turn_alone_with_no_bos_from_the_tokenizer():
+    """As a sampler, the teacher returns each prompt's next turn as token ids: the turn's text and no
+    BOS, under a tokenizer that adds one to what it encodes (without add_special_tokens=False, a BOS
+    opened each turn; the tests' other tokenizers add none)."""
+    from conftest import make_byte_tokenizer, with_bos
+
+    tok = with_bos(make_byte_tokenizer())
+    q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
+           {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", False), hop("Tesk", "Varn", False)]})
+    teacher = Teacher(tok, PP, [q], seed=0, **EXACT)
+    prompt = tok.encode(f"Question: {q.question}\n", add_special_tokens=False)
+    (ids,) = teacher.generate([prompt])
+    assert tok.bos_token_id not in ids
+    assert tok.decode(ids) == Teacher(tok, PP, [q], seed=0, **EXACT).turn(f"Question: {q.question}\n")
+    assert tok.decode(ids).endswith(PP.stop[0])  # a search: the first hop is not famous
