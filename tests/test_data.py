@@ -67,6 +67,21 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["index.json"] and path.read_text() == "old"
 
 
+def test_logs_and_durable_text_files_are_written_in_utf8_under_an_ascii_locale(tmp_path):
+    """A log record or an index file (a BM25 vocabulary) holding an accent is written as UTF-8 under
+    an ASCII locale too (in the locale's encoding, the write failed; the tests that reach the lines
+    run under UTF-8)."""
+    from conftest import run_under_ascii_locale
+
+    script = ("import sys; from searchlite.data import append_log, write_durably; "
+              "append_log(sys.argv[1], [{'q': 'Z\\u00fcrich'}]); "
+              "write_durably(sys.argv[2], lambda f: f.write('Z\\u00fcrich'), 'w')")
+    done = run_under_ascii_locale(script, str(tmp_path / "log.jsonl"), str(tmp_path / "vocab.json"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "log.jsonl").read_bytes() == '{"q": "Z\u00fcrich"}\n'.encode("utf-8")
+    assert (tmp_path / "vocab.json").read_bytes() == "Z\u00fcrich".encode("utf-8")
+
+
 def test_corpus_wiki18_form(tmp_path):
     p = _write_lines(tmp_path / "c.jsonl", [
         json.dumps({"id": "12", "contents": '"Paris"\nParis is the capital of France.\nSecond line.'}),
