@@ -339,6 +339,23 @@ def test_bm25_folder_round_trip_and_corpus_check(tmp_path, toy_passages):
         load_index(tmp_path)
 
 
+def test_a_bm25_folder_with_accented_terms_builds_and_reopens_under_an_ascii_locale(tmp_path):
+    """The vocabulary file holds its terms as UTF-8 (not JSON escapes), so it is written and read as
+    UTF-8 whatever the locale (read in the locale's encoding, it passed test_retrieval, which runs under UTF-8)."""
+    from conftest import run_under_ascii_locale
+
+    corpus = tmp_path / "c.jsonl"
+    write_jsonl(corpus, [passage_to_dict(Passage("1", "Z\u00fcrich", "Z\u00fcrich lies on a lake.")),
+                         passage_to_dict(Passage("2", "Bern", "Bern is a city."))])
+    script = ("import sys; from searchlite.indexing import build_bm25_folder; "
+              "from searchlite.retrieval import load_index; "
+              "build_bm25_folder(sys.argv[1], sys.argv[2], progress=False); "
+              "print(load_index(sys.argv[2]).search(['Z\\u00fcrich lake'], 1)[0][0].id)")
+    done = run_under_ascii_locale(script, str(corpus), str(tmp_path / "bm25"))
+    assert (done.returncode, done.stdout.strip()) == (0, "1"), done.stderr
+    assert "z\u00fcrich" in json.loads((tmp_path / "bm25" / "vocab.index.json").read_text(encoding="utf-8"))
+
+
 def test_a_rebuild_refused_before_it_saves_leaves_the_old_index(tmp_path):
     """A rebuild that fails before writing anything (a gzipped corpus, an empty one) keeps the
     folder's finished index loadable."""
