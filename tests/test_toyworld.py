@@ -265,6 +265,22 @@ def test_another_build_does_not_overwrite_the_shipped_world(capsys):
     assert {p.name: p.stat().st_mtime_ns for p in TOY_DIR.iterdir() if p.is_file()} == before
 
 
+def test_build_with_out_writes_the_seed_asked_for_into_a_new_nested_folder(tmp_path, capsys):
+    """`build --seed 1 --out a/b` writes seed 1's world (the seed read as an int: as the string "1" it
+    seeded another world), making the folders on the way; a command is required. Each passed the
+    other tests of this file when dropped from the parser or the mkdir."""
+    out = tmp_path / "a" / "b"
+    main(["build", "--seed", "1", "--out", str(out), "--vocab_size", "900"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    write_world(build_world(1), tmp_path / "ref")
+    data = FILES[:3]  # corpus, train and test: the tokenizer files are its own
+    assert set(_files(out)) == set(FILES) and [(out / f).read_bytes() for f in data] == [
+        (tmp_path / "ref" / f).read_bytes() for f in data]
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2 and "the following arguments are required: cmd" in capsys.readouterr().err
+
+
 def test_comparison_gold_follows_the_words_first_earlier_later(world):
     """The gold is worked out from the question's words ("later": the larger year), not from COMPARISONS,
     which a wrong max / min there would change with it; the question names its hops in order."""
