@@ -148,6 +148,31 @@ def test_bm25_a_term_in_half_the_passages_still_finds_them(bm25):
     assert retriever.search(["old paris"], k=3)[0][0].id == "1"
 
 
+@pytest.mark.parametrize("backend", ["bm25s", "rank_bm25"])
+def test_a_last_passage_without_an_indexable_term_is_indexed_and_never_found(backend):
+    """Stopwords and punctuation alone, last in the corpus: its count of distinct terms is zero (with
+    the bincount's minlength dropped, the index's arrays did not match and it failed to build; that
+    passed test_retrieval, test_retrieval_scale, test_retrieve and test_server, which have no such
+    passage)."""
+    r = BM25Retriever(CORPUS + [Passage("e", "The", "Of the ...")], backend)
+    out = r.search([q for q, _ in BM25_QUERIES] + ["the"], 20)
+    assert [hits[0].id for hits in out[:-1]] == [gold for _, gold in BM25_QUERIES] and out[-1] == []
+    assert "e" not in {h.id for hits in out for h in hits}
+
+
+@pytest.mark.parametrize("backend", ["bm25s", "rank_bm25"])
+def test_bm25_ties_come_in_corpus_order(backend):
+    """Passages that score the same are ranked in corpus order, however many tie (numpy's default
+    sort does not keep ties in order among several scores: with rank_bm25's stable sort dropped, it
+    passed test_retrieval, test_retrieval_scale, test_retrieve and test_server)."""
+    texts = ["The tide rises.", "The tide, the tide rises.", "Tide after tide after tide rises."]
+    passages = [Passage(str(i), "Sea", texts[i * 7 % 3]) for i in range(90)] + CORPUS
+    hits = BM25Retriever(passages, backend).search(["tide"], 90)[0]
+    score = {passages[int(h.id)].text: h.score for h in hits}  # a text's score, the same for each copy
+    assert len(hits) == 90 and len(set(score.values())) == 3
+    assert [int(h.id) for h in hits] == sorted(range(90), key=lambda i: -score[passages[i].text])  # (stable)
+
+
 def test_bm25_backends_agree_on_ranking():
     a, b = BM25Retriever(CORPUS, "bm25s"), BM25Retriever(CORPUS, "rank_bm25")
     qs = [q for q, _ in BM25_QUERIES]
@@ -484,9 +509,9 @@ def test_http_client_dead_port():
 
 def test_build_retriever(tmp_path):
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
-    for kind in ("bm25", "rank_bm25"):
+    for kind, backend in (("bm25", "bm25s"), ("rank_bm25", "rank_bm25")):  # (the backend dropped, it passed)
         r = build_retriever(kind, str(tmp_path / "c.jsonl"))
-        assert r.search(["what causes ocean tides"], 1)[0][0].id == "v8"
+        assert r.backend == backend and r.search(["what causes ocean tides"], 1)[0][0].id == "v8"
     assert isinstance(build_retriever("http", url="http://localhost:8000"), HTTPRetriever)
     with pytest.raises(ValueError, match="bm25, rank_bm25, dense, http"):
         build_retriever("elastic", str(tmp_path / "c.jsonl"))
@@ -496,6 +521,8 @@ def test_build_retriever(tmp_path):
     assert build_retriever("bm25", index=str(tmp_path / "idx")).search(["what causes ocean tides"], 1)[0][0].id == "v8"
     with pytest.raises(ValueError, match="kind 'rank_bm25' builds its BM25 in memory"):  # it read the bm25s index
         build_retriever("rank_bm25", index=str(tmp_path / "idx"))
+    with pytest.raises(ValueError, match="holds a bm25 index, not a dense one"):  # (load_index's kind= dropped,
+        build_retriever("dense", index=str(tmp_path / "idx"))  # it loaded the BM25 folder and passed)
     with pytest.raises(ValueError, match="encoder"):
         build_retriever("dense", CORPUS)
     # an encoder or pooling for a retriever that encodes no queries, or an index for a server, was ignored
@@ -528,6 +555,18 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
                                                     "not answer") + r".*HTTP 500"):
         config_retriever(SimpleNamespace(**{**vars(cfg), "retriever": "http", "retriever_url": _url(server)}))
 
+
+
+def test_config_retriever_builds_a_dense_retriever_with_the_runs_pooling(tmp_path, encoder_dir):
+    """train.py's --pooling cls reaches the encoder (dropped from config_retriever, the run encoded
+    with mean pooling and passed test_retrieval, test_retrieval_scale, test_retrieve and test_server)."""
+    from types import SimpleNamespace
+
+    write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
+    for pooling in ("cls", "mean"):
+        cfg = SimpleNamespace(retriever="dense", corpus=str(tmp_path / "c.jsonl"), pooling=pooling,
+                              encoder=str(encoder_dir / "tiny-bert"), index="", retriever_url="", topk=3)
+        assert config_retriever(cfg).text_encoder.pooling == pooling
 
 
 def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
