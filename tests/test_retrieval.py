@@ -4,10 +4,12 @@ random encoder built offline, the HTTP client against a stdlib Search-R1-style s
 import json
 import math
 import re
+import shutil
 import threading
 import time
 import types
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -329,14 +331,25 @@ def test_a_sharded_build_keeps_vector_i_for_passage_i_and_its_prefixes(encoder_d
 
 
 @pytest.mark.parametrize("changed, field", [({"passage_prefix": "passage: "}, "passage_prefix"),
-                                            ({"max_length": 16}, "max_length")])
-def test_kept_shards_of_another_passage_prefix_or_max_length_are_refused(encoder_dir, tmp_path, changed, field):
-    """Shards encoded one way would be joined with shards encoded another, under one dense.json."""
+                                            ({"max_length": 16}, "max_length"), ({"pooling": "cls"}, "pooling"),
+                                            ({"corpus_path": "copy"}, "corpus"),
+                                            ({"corpus_path": "edited"}, "corpus_bytes, corpus_mtime_ns, num_passages")])
+def test_kept_shards_of_other_settings_or_another_corpus_are_refused(encoder_dir, tmp_path, changed, field):
+    """Shards encoded one way would be joined with shards encoded another, under one dense.json; or
+    shards of one corpus file under another's passages, or of the file before an edit (the pooling,
+    the corpus path, its size and its passage count each dropped from the manifest, test_retrieval,
+    test_retrieval_scale, test_retrieve and test_server passed)."""
     write_jsonl(tmp_path / "c.jsonl", map(passage_to_dict, CORPUS))
     kw = dict(max_length=48, keep_shards=True, progress=False)
     build_dense_folder(tmp_path / "c.jsonl", tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw)
+    corpus = tmp_path / "c.jsonl"
+    if changed.get("corpus_path") == "copy":  # the same bytes and modification time, at another path
+        corpus = Path(shutil.copy2(corpus, tmp_path / "d.jsonl"))
+    elif changed.get("corpus_path") == "edited":  # one passage more, in place
+        write_jsonl(corpus, map(passage_to_dict, CORPUS + [Passage("x", "Extra", "One passage more.")]))
+    changed = {k: v for k, v in changed.items() if k != "corpus_path"}
     with pytest.raises(ValueError, match=rf"shards holds a build with other settings \({field} differ\)"):
-        build_dense_folder(tmp_path / "c.jsonl", tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw | changed)
+        build_dense_folder(corpus, tmp_path / "idx", str(encoder_dir / "tiny-bert"), **kw | changed)
 
 
 def test_an_encoder_without_a_pad_token_pads_with_its_unk_token(encoder_dir, tmp_path):
