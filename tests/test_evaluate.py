@@ -1996,13 +1996,43 @@ def test_rag_searches_a_retrieval_server_and_run_json_names_it(world, tmp_path, 
         out, f"retriever: {retrieval_server!r} -> {other!r}")
 
 
-def test_an_encoder_beside_a_retrieval_server_is_refused_not_ignored(world, tmp_path, retrieval_server):
+def test_rag_searches_a_dense_index_it_builds_from_encoder_and_corpus_into_a_new_nested_out(world, tmp_path):
+    """--retriever dense --encoder E indexes --corpus here and rag's passages are E's top ones
+    (encoder= dropped from that build, the run stopped at 'needs encoder=' and test_evaluate passed);
+    an --out whose parent is not there yet is made with it."""
+    from conftest import save_bag_of_words_bert
+
+    from searchlite.data import read_corpus, read_qa
+    from searchlite.retrieval import DenseRetriever
+
+    passages, questions = read_corpus(world / "corpus.jsonl"), read_qa(world / "beta.jsonl")
+    save_bag_of_words_bert([p.contents for p in passages] + [q.question for q in questions], tmp_path / "e", hidden=32)
+    out = tmp_path / "a" / "b"
+    evaluate.main(one_set(world, out, "--methods", "rag", "--retriever", "dense", "--encoder", str(tmp_path / "e"),
+                          "--topk", "2"))
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    found = DenseRetriever(passages, str(tmp_path / "e")).search([q.question for q in questions], 2)
+    assert [[d["id"] for d in r["docs"]] for r in records] == [[h.id for h in hits] for hits in found]
+    assert json.loads((out / "run.json").read_text())["encoder"] == str(tmp_path / "e")
+
+
+DENSE_ONLY = ("only a dense retriever encodes queries (a server has its own: retrieve.py serve --encoder, "
+              "--query_prefix), ")
+
+
+@pytest.mark.parametrize("flag, value, error", [
+    ("--encoder", "e5", f"encoder 'e5': {DENSE_ONLY}not retriever kind 'http'"),
+    ("--pooling", "cls", f"pooling 'cls': {DENSE_ONLY}not retriever kind 'http'"),
+    ("--query_prefix", "q: ", f"query prefix 'q: ': {DENSE_ONLY}not retriever kind 'http'"),
+    ("--index", "idx", "index idx: a server searches its own index (retrieve.py serve --index), not one named here")])
+def test_an_encoder_beside_a_retrieval_server_is_refused_not_ignored(world, tmp_path, retrieval_server, flag, value,
+                                                                     error):
     """A server encodes queries with its own encoder (retrieve.py serve --encoder): --encoder given with
-    --retriever_url would change nothing, so it is refused, as --pooling and --query_prefix are."""
+    --retriever_url would change nothing, so it is refused, as --pooling and --query_prefix are, and
+    --index, as a server searches its own (the last three dropped from the server's build_retriever
+    call, they were ignored and test_evaluate passed)."""
     assert refusal(one_set(world, tmp_path / "out", "--methods", "rag", "--topk", "2",
-                           "--retriever_url", retrieval_server, "--encoder", "e5")) == (
-        "error: encoder 'e5': only a dense retriever encodes queries (a server has its own: retrieve.py serve "
-        "--encoder, --query_prefix), not retriever kind 'http'")
+                           "--retriever_url", retrieval_server, flag, value)) == f"error: {error}"
 
 
 def test_a_server_that_refuses_the_topk_stops_the_run_before_the_model_loads(world, tmp_path, retrieval_server,
