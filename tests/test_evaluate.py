@@ -1132,6 +1132,10 @@ def test_error_unknown_method(world, tmp_path):
     (("--max_len", "0"), "argument --max_len: must be at least 1, got 0"),
     (("--judge_max_tokens", "0"), "argument --judge_max_tokens: must be at least 1, got 0"),
     (("--metods", "search"), "unrecognized arguments: --metods (did you mean '--methods'?) search"),
+    # a value outside the choices: vLLM's misspelling sampled with transformers, the others failed later
+    (("--sampler", "vlm"), "argument --sampler: invalid choice: 'vlm' (choose from "),
+    (("--dtype", "fp16"), "argument --dtype: invalid choice: 'fp16' (choose from "),
+    (("--pooling", "max"), "argument --pooling: invalid choice: 'max' (choose from "),
 ])
 def test_a_bad_flag_is_named_before_anything_loads(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
