@@ -75,10 +75,18 @@ def test_lora_trains_only_the_adapters(tiny_llama):
 
 
 def test_lora_alpha_sets_the_adapters_scale(tiny_llama):
-    """--lora_alpha reaches peft: the adapter's output is scaled by alpha / rank (8 / 4 here)."""
-    policy = lora_model(tiny_llama)
-    layer = policy.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
-    assert policy.peft_config["default"].lora_alpha == 8.0 and layer.scaling["default"] == pytest.approx(2.0)
+    """--lora_alpha reaches peft: the adapter's output is scaled by alpha / rank (8 / 4 and 12 / 4
+    here: peft's own default alpha is 8, so 8 alone passed with alpha dropped from the LoraConfig).
+    The adapter is a causal LM's (its task type dropped, test_memory passed)."""
+    import copy
+
+    import peft
+
+    for alpha, scale in ((8.0, 2.0), (12.0, 3.0)):
+        policy = add_lora(copy.deepcopy(tiny_llama), rank=4, alpha=alpha, targets="q_proj,v_proj,down_proj")
+        assert isinstance(policy, peft.PeftModelForCausalLM) and policy.peft_config["default"].task_type == "CAUSAL_LM"
+        layer = policy.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+        assert policy.peft_config["default"].lora_alpha == alpha and layer.scaling["default"] == pytest.approx(scale)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adamw8bit"])
