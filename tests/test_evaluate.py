@@ -1759,6 +1759,17 @@ def test_one_set_has_no_average_row(world, tmp_path):
 # ---------------------------------------------------------------------------- defaults and what reaches the sampler
 
 
+def test_with_no_flags_it_evaluates_the_toy_model_into_runs_eval():
+    """With no flags: the shipped toy model in float32 with transformers, into runs/eval, every
+    question, progress bars on, no judge; the tokenizer and threads left to the model and torch.
+    (The defaults of --model, --tokenizer, --threads, --limit, --out, --judge_url and --progress,
+    each dropped from the parser, passed test_evaluate, whose runs give these flags.)"""
+    args = evaluate.parse_args([])
+    assert (args.model, args.dtype, args.sampler, args.out, args.limit, args.progress, args.judge_url) == (
+        "toy/model", "float32", "hf", "runs/eval", 0, True, "")
+    assert (args.tokenizer, args.threads) == ("", 0)
+
+
 def test_defaults_search_16_questions_a_batch_and_64_answer_tokens(world, tmp_path, monkeypatch):
     """Without --methods the agent is evaluated; without --batch_size, 16 questions go per call;
     without --answer_tokens, direct answers get 64 tokens."""
