@@ -1795,26 +1795,58 @@ def test_defaults_search_16_questions_a_batch_and_64_answer_tokens(world, tmp_pa
 
 
 def test_run_settings_reach_the_sampler(world, tmp_path, monkeypatch):
-    """--topk passages in a rag prompt, --answer_tokens per answer, --dtype of the weights, the
-    --tokenizer's folder, and "\\nQuestion:" ending a search turn."""
+    """--topk passages in a rag prompt, --answer_tokens per answer, --max_new_tokens per search turn
+    (the sampler's cap: dropped from it, 500 tokens a turn passed test_evaluate), --dtype of the
+    weights, the --tokenizer's folder, and "\\nQuestion:" ending a search turn."""
     seen = []
 
     def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
         text = self.tokenizer.decode(prompts[0])
         seen.append({"docs": text.count("Doc "), "max_new_tokens": max_new_tokens, "stop": tuple(stop),
                      "dtype": next(self.model.parameters()).dtype, "tokenizer": self.tokenizer.name_or_path,
-                     "agent": "<search>" in text})
+                     "agent": "<search>" in text, "cap": max_new_tokens or self.max_new_tokens})
         return scripted_generate(self, prompts, stop, max_new_tokens, greedy, budget)
 
     monkeypatch.setattr(HFSampler, "generate", generate)
     tok = tmp_path / "tok"
     shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     evaluate.main(one_set(world, tmp_path / "out", "--methods", "rag,search", "--topk", "1", "--answer_tokens", "5",
-                          "--dtype", "bfloat16", "--tokenizer", str(tok)))
+                          "--dtype", "bfloat16", "--tokenizer", str(tok), "--max_new_tokens", "4"))
     rag = [s for s in seen if not s["agent"]]
     assert {(s["docs"], s["max_new_tokens"]) for s in rag} == {(1, 5)}
+    assert {s["cap"] for s in seen if s["agent"]} == {4}
     assert {s["dtype"] for s in seen} == {torch.bfloat16} and {s["tokenizer"] for s in seen} == {str(tok)}
     assert all("\nQuestion:" in s["stop"] for s in seen if s["agent"])
+
+
+def test_the_prompt_set_and_the_chat_template_choice_reach_every_method(world, tmp_path, monkeypatch):
+    """A --prompts folder's templates are what the baselines are asked, and --chat_template false
+    leaves every prompt, search's too, out of the tokenizer's chat template, which true wraps it in.
+    (Dropped from evaluate.py's run_batch call, prompts fell back to searchlite's own set and the
+    choice to true, each passing test_evaluate, whose tokenizer has no chat template.)"""
+    seen = []
+
+    def generate(self, prompts, stop=(), max_new_tokens=None, greedy=False, budget=None):
+        seen.extend(self.tokenizer.decode(p) for p in prompts)
+        return scripted_generate(self, prompts, stop, max_new_tokens, greedy, budget)
+
+    monkeypatch.setattr(HFSampler, "generate", generate)
+    tok = tmp_path / "tok"  # the model's tokenizer, with a chat template
+    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[USER] {{ m['content'] }} [/USER]{% endfor %}[BOT]"
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for method, extra in (("direct", ""), ("cot", ""), ("rag", " {documents}")):
+        (prompts / f"{method}.txt").write_text(f"MY {method.upper()}\nQuestion: {{question}}{extra}\n")
+    for choice, wrapped in (("true", True), ("false", False)):
+        seen.clear()
+        evaluate.main(one_set(world, tmp_path / choice, "--methods", "direct,cot,rag,search", "--prompts", str(prompts),
+                              "--tokenizer", str(tok), "--chat_template", choice, "--limit", "1"))
+        assert len(seen) == 5  # search's second turn reads its passages
+        assert [p.startswith("[USER] ") and "[/USER][BOT]" in p for p in seen] == [wrapped] * 5, seen
+        assert [p.removeprefix("[USER] ").split("\n")[0] for p in seen[:3]] == ["MY DIRECT", "MY COT", "MY RAG"]
 
 
 def test_the_search_budget_and_lengths_reach_the_agent(world, tmp_path, monkeypatch):
