@@ -2220,8 +2220,9 @@ def test_a_vllm_that_does_not_import_is_one_line(world, tmp_path, broken_vllm):
 
 
 def test_vllm_gets_the_batch_size_and_the_prompts_are_tokenized_by_the_tokenizer_flag(world, tmp_path, monkeypatch):
-    """--sampler vllm: the engine holds --batch_size sequences at a time and loads --tokenizer,
-    and the prompts it is handed are that tokenizer's ids (here the toy world's, not the model's)."""
+    """--sampler vllm: the engine holds --batch_size sequences at a time, loads --tokenizer and
+    the weights in --dtype (dropped, the engine loaded float32 and test_evaluate passed), and the
+    prompts it is handed are that tokenizer's ids (here the toy world's, not the model's)."""
     vllm = pytest.importorskip("vllm")
     engines = []
 
@@ -2233,9 +2234,9 @@ def test_vllm_gets_the_batch_size_and_the_prompts_are_tokenized_by_the_tokenizer
 
     monkeypatch.setattr(vllm, "LLM", RoomyLLM)
     toy = str(TOY_DIR / "model")
-    evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm", "--tokenizer", toy))
+    evaluate.main(one_set(world, tmp_path / "out", "--sampler", "vllm", "--tokenizer", toy, "--dtype", "bfloat16"))
     [engine] = engines
-    assert (engine.kw["max_num_seqs"], engine.kw["tokenizer"]) == (2, toy)
+    assert (engine.kw["max_num_seqs"], engine.kw["tokenizer"], engine.kw["dtype"]) == (2, toy, "bfloat16")
     prompts = [ids for batch, _ in engine.requests for ids in batch]
     texts = [load_tokenizer(toy).decode(ids) for ids in prompts]
     assert len(texts) == 3 and all(f"Which river is at town {i}?" in t for i, t in enumerate(texts))
