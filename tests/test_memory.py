@@ -74,6 +74,16 @@ def test_lora_trains_only_the_adapters(tiny_llama):
     assert all(policy.get_parameter(n).grad.abs().sum() > 0 for n in with_grad if "lora_A" in n)
 
 
+def test_merge_names_a_dtype_outside_its_choices_before_reading_the_adapter(tmp_path, capsys):
+    """`memory merge --dtype fp8` is a usage error (the choices dropped, the adapter check spoke first,
+    and a real adapter met a KeyError; test_memory passed)."""
+    from searchlite.memory import main as merge_cli
+
+    with pytest.raises(SystemExit) as e:
+        merge_cli(["merge", str(tmp_path), "--out", str(tmp_path / "m"), "--dtype", "fp8"])
+    assert e.value.code == 2 and "argument --dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 def test_lora_alpha_sets_the_adapters_scale(tiny_llama):
     """--lora_alpha reaches peft: the adapter's output is scaled by alpha / rank (8 / 4 and 12 / 4
     here: peft's own default alpha is 8, so 8 alone passed with alpha dropped from the LoraConfig).
