@@ -237,6 +237,26 @@ def test_stop_cancels_the_batcher_running_on_this_loop(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a stop is no failure to report
 
 
+def test_a_served_app_starts_its_batcher_with_the_server_and_cancels_it_at_shutdown(monkeypatch):
+    """The app's lifespan: the batcher runs from start-up, and shutting down cancels it rather than
+    leaving its task pending on a closing loop (without the lifespan, test_server, test_retrieve,
+    test_retrieval_scale and test_retrieval passed: the first request starts it)."""
+    made = []
+
+    class Recorded(Batcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(searchlite.server, "Batcher", Recorded)
+    with TestClient(make_app(NoHits())) as client:
+        [batcher] = made
+        task = batcher.task
+        assert task is not None and not task.done()  # before any request
+        assert client.post("/retrieve", json={"queries": ["a"]}).json() == {"result": [[]]}
+    assert task.cancelled()
+
+
 def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
     """batch_wait is how long the batcher waits after the first request for others to join it."""
     r = CountingRetriever(toy_passages)
