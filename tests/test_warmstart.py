@@ -103,6 +103,22 @@ def toy():
     return tok, qa, retriever
 
 
+def test_the_model_a_build_starts_from_has_the_shipped_models_shape():
+    """make_model's Llama is the shipped model's in every field of its shape and special tokens, so a
+    rebuild replaces it in kind (with intermediate_size dropped, the model took transformers' default,
+    a 7B Llama's 11008, and test_warmstart ran on for minutes without naming it)."""
+    from transformers import AutoConfig
+
+    from searchlite.warmstart import make_model
+
+    shipped, made = AutoConfig.from_pretrained(TOY_DIR / "model"), make_model(load_tokenizer("toy/"), 0).config
+    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "pad_token_id", "eos_token_id",
+              "bos_token_id"]
+    assert {f: getattr(made, f) for f in fields} == {f: getattr(shipped, f) for f in fields}
+    assert (shipped.hidden_size, shipped.num_hidden_layers, shipped.bos_token_id) == (128, 4, None)
+
+
 def test_only_the_default_build_writes_the_shipped_folder(monkeypatch, capsys):
     from searchlite import warmstart
 
