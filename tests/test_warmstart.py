@@ -166,7 +166,9 @@ def test_teacher_data_trains_on_the_teachers_tokens_only(toy):
 def test_the_careful_teacher_searches_every_hop_and_answers_right(toy):
     """CAREFUL, the warm start's first phase, makes no mistake on any kind of question: a bridge
     question is not answered with its bridge entity, nor a comparison after one lookup (the stop
-    rate matters only past the first hop, so a 1-hop test alone passed with it at 1)."""
+    rate matters only past the first hop, so a 1-hop test alone passed with it at 1), and no search
+    asks the whole question in place of its entity (CAREFUL's p_verbatim dropped, test_warmstart
+    passed)."""
     from searchlite.warmstart import CAREFUL, teacher_data
 
     tok, qa, retriever = toy
@@ -180,6 +182,7 @@ def test_the_careful_teacher_searches_every_hop_and_answers_right(toy):
         q = next(q for q in picked if q.question in text)
         trained = tok.decode(ids[i][loss[i] == 1], skip_special_tokens=False)
         assert trained.count("<search>") == len(q.meta["hops"]), (q.meta["type"], text)
+        assert f"<search> {q.meta['hops'][0]['query']} </search>" in trained  # the entity, not the question
         assert text.endswith(f"<answer> {q.answers[0]} </answer>"), (q.meta["type"], text)
 
 
