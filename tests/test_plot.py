@@ -44,6 +44,20 @@ def test_series_and_png(tmp_path):
     assert plot([str(run)], str(tmp_path / "c.svg")).read_text().lstrip().startswith("<?xml")
 
 
+def test_the_command_without_out_writes_curves_png_here(tmp_path, monkeypatch, capsys):
+    """`python -m searchlite.plot RUN` writes curves.png in the current folder (its default dropped,
+    test_plot passed: its runs give --out)."""
+    pytest.importorskip("matplotlib")
+    from searchlite.plot import main
+
+    (tmp_path / "run").mkdir()
+    run = write_run(tmp_path / "run", [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}])
+    monkeypatch.chdir(tmp_path)
+    main([str(run)])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip() == "curves.png"
+
+
 def test_a_running_run_is_read_as_it_stands_and_bad_input_is_named(tmp_path):
     from searchlite.plot import main
 
