@@ -109,7 +109,8 @@ def test_unmasked_passages_are_shown_as_trained_on(byte_tokenizer):
 
 
 def test_the_command_names_a_bad_protocol_or_template_and_takes_temperature_0_as_greedy(tmp_path, capsys):
-    """An unknown protocol or template, or --temperature 0, ended in tracebacks."""
+    """An unknown protocol or template, or --temperature 0, ended in tracebacks; a --pooling outside
+    its choices is a usage error."""
     from searchlite.view import main
 
     with pytest.raises(SystemExit, match=r"^error: unknown protocol 'searchr1' \(valid: search_r1, r1_searcher_pp\)$"):
@@ -119,6 +120,9 @@ def test_the_command_names_a_bad_protocol_or_template_and_takes_temperature_0_as
     with pytest.raises(SystemExit):
         main(["--temperature", "-1"])
     assert "argument --temperature: must be at least 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (without its choices, test_view passed)
+        main(["--pooling", "max"])
+    assert "argument --pooling: invalid choice: 'max'" in capsys.readouterr().err
     main(["--n", "2", "--temperature", "0", "--out", str(tmp_path / "zero.html")])
     main(["--n", "2", "--greedy", "--out", str(tmp_path / "greedy.html")])
     assert (tmp_path / "zero.html").read_text() == (tmp_path / "greedy.html").read_text()
