@@ -189,7 +189,9 @@ def test_the_command_names_an_out_that_cannot_be_written(tmp_path, monkeypatch, 
 def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_path, monkeypatch):
     """view searched BM25 over the toy corpus, and asked toy questions, whatever the run had trained
     on; it now takes a run's test set, retriever settings (corpus, index, encoder, server) and
-    lengths as it takes its prompt, and its flags win (a retriever flag: the run's others go too)."""
+    lengths as it takes its prompt, and its flags win (a retriever flag: the run's others go too).
+    Its --max_turns, --chat_template and --greedy reach the rollout (each dropped from the call,
+    test_view passed)."""
     import json
     import shutil
 
@@ -207,7 +209,8 @@ def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_
         return real(kind, corpus, **kw)
 
     def rollout(*a, **kw):
-        lengths.append((kw["topk"], kw["max_obs_tokens"], kw["max_len"]))
+        lengths.append((kw["topk"], kw["max_obs_tokens"], kw["max_len"], kw.get("max_turns"), kw.get("chat_template"),
+                        kw.get("greedy")))
         return real_rollout(*a, **kw)
 
     monkeypatch.setattr(searchlite.retrieval, "build_retriever", record)
@@ -222,12 +225,13 @@ def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_
                                                  "corpus": str(corpus), "test_data": str(test), "topk": 2,
                                                  "max_obs_tokens": 100, "max_len": 900}))
     main(["--model", str(run), "--n", "1", "--max_turns", "0", "--out", out])
-    main(["--model", str(run), "--n", "1", "--max_turns", "0", "--retriever", "bm25", "--topk", "1", "--out", out])
-    main(["--n", "1", "--max_turns", "0", "--out", out])  # the warm start: the toy world
+    main(["--model", str(run), "--n", "1", "--max_turns", "1", "--retriever", "bm25", "--topk", "1", "--out", out,
+          "--chat_template", "false"])
+    main(["--n", "1", "--max_turns", "0", "--out", out, "--greedy"])  # the warm start: the toy world
     toy = str(TOY_DIR / "corpus.jsonl")
     assert seen == [("rank_bm25", str(corpus), None, None), ("bm25", toy, None, None), ("bm25", toy, None, None)]
     assert asked == [str(test), str(test), str(TOY_DIR / "test.jsonl")]
-    assert lengths == [(2, 100, 900), (1, 100, 900), (3, 500, 4096)]
+    assert lengths == [(2, 100, 900, 0, True, False), (1, 100, 900, 1, False, False), (3, 500, 4096, 0, True, True)]
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit, match=re.escape(f"error: --retriever_url {dead}: the retrieval server does not")):
         main(["--model", str(run), "--n", "1", "--retriever_url", dead, "--out", out])
