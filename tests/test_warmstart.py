@@ -226,7 +226,8 @@ def test_build_runs_a_careful_then_an_imperfect_phase_on_fresh_seeds(monkeypatch
     assert [c["lr"] for c in calls["sft"]] == [3e-3, 3e-3] and [c["batch_size"] for c in calls["sft"]] == [4, 4]
     assert calls["sft"][0]["seed"] != calls["sft"][1]["seed"]
     other = _fake_build(monkeypatch, tmp_path / "b", ["--seed", "8", "--read_passes", "2", "--epochs", "3",
-                                                     "--questions", "5"])
+                                                     "--questions", "5", "--lr", "2e-3"])
+    assert [c["lr"] for c in other["sft"]] == [2e-3, 2e-3]  # a number (read as text, test_warmstart passed)
     seeds = lambda c: {s for d in c["data"] for s in d["seeds"]}  # noqa: E731
     assert not seeds(calls) & seeds(other)  # --seed reaches the teacher
     assert {c["seed"] for c in calls["sft"]} != {c["seed"] for c in other["sft"]}
