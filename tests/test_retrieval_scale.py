@@ -290,6 +290,17 @@ def test_sample_ids_digest_covers_every_id_of_a_short_corpus():
     assert sample_ids_digest(ps[::-1]) != base and sample_ids_digest(list(ps)) == base
 
 
+def test_sample_ids_digest_of_a_long_corpus_reads_a_thousand_evenly_spaced_ids():
+    """Past 1,000 passages the fingerprint index folders record is the SHA-1 of [count, the ids at
+    1,000 evenly spaced positions, rounded], so folders written earlier still match (with numpy's
+    default of 50 positions, the four retrieval test files passed)."""
+    ps = [Passage(f"p{i}", "", "t") for i in range(2500)]
+    picks = [round(i * 2499 / 999) for i in range(1000)]  # 0, 3 (2.5015 rounded), ..., 2499
+    assert len(set(picks)) == 1000 and picks[:3] == [0, 3, 5] and picks[-1] == 2499
+    want = hashlib.sha1(json.dumps([2500, [f"p{i}" for i in picks]]).encode("utf-8")).hexdigest()
+    assert sample_ids_digest(ps) == want
+
+
 def test_lengths_digest_is_the_sha1_of_the_line_lengths(tmp_path):
     """The fingerprint index folders record is the SHA-1 of each passage's byte span (its line, newline
     and any blank lines after it) as little-endian int64s, so folders written earlier still match."""
