@@ -88,6 +88,8 @@ def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp
     with pytest.raises(SystemExit, match=r"--questions = 10, this one has 12; other rows to train on; "
                                          r"resume with its settings, or rerun without --resume"):
         warmstart.main(["--out", str(tmp_path), *small, "--questions", "12", "--resume"])
+    with pytest.raises(SystemExit, match=r"a run with --lr = 0.003, this one has 0.001"):  # the SFT state's, in flags
+        warmstart.main(["--out", str(tmp_path), *small, "--lr", "1e-3", "--resume"])
     warmstart.main(["--out", str(tmp_path), *small, "--resume"])
     assert (tmp_path / "model" / "model.safetensors").exists() and ctrl_c.calls > 2
     with pytest.raises(SystemExit):
@@ -223,6 +225,7 @@ def test_build_runs_a_careful_then_an_imperfect_phase_on_fresh_seeds(monkeypatch
     assert len(set(careful["seeds"] + imperfect["seeds"])) == 5  # each pass draws afresh
     assert careful["n"] == imperfect["n"] == 5 and careful["famous_repeats"] == 2
     assert [c["epochs"] for c in calls["sft"]] == [1, 1]  # the passes are in the rows, one epoch over them
+    assert [c["warmup"] for c in calls["sft"]] == [50, 50]  # the shipped model's (sft's own default is 20)
     assert [c["lr"] for c in calls["sft"]] == [3e-3, 3e-3] and [c["batch_size"] for c in calls["sft"]] == [4, 4]
     assert calls["sft"][0]["seed"] != calls["sft"][1]["seed"]
     other = _fake_build(monkeypatch, tmp_path / "b", ["--seed", "8", "--read_passes", "2", "--epochs", "3",
