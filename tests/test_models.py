@@ -89,6 +89,24 @@ def test_a_new_critic_values_zero_and_a_saved_one_reloads_its_head(byte_tokenize
     assert half(IDS, attn).dtype == torch.float32
 
 
+def test_a_checkpoint_saves_the_weights_given_apart_from_the_modules(byte_tokenizer, tmp_path):
+    """Under torchrun, FSDP2 shards the policy and the critic and distributed.py gathers their full
+    weights to rank 0: save_checkpoint writes those in place of the modules' own (the critic's
+    dropped, test_distributed passed)."""
+    from transformers import AutoModelForCausalLM
+
+    policy, critic = make_tiny_llama(byte_tokenizer, seed=3), Critic(make_tiny_llama(byte_tokenizer, seed=4).model)
+    policy_weights = {k: v + 1 for k, v in policy.state_dict().items()}
+    critic_weights = {k: v + 2 for k, v in critic.state_dict().items()}
+    want = [dict(policy_weights), dict(critic_weights)]  # (transformers' save_pretrained empties its dict)
+    ckpt = models.save_checkpoint(tmp_path, policy, byte_tokenizer, {"step": 1}, critic=critic,
+                                  policy_weights=policy_weights, critic_weights=critic_weights)
+    for saved, given in zip((AutoModelForCausalLM.from_pretrained(ckpt / "policy"),
+                             Critic.from_pretrained(str(ckpt / "critic"))), want):
+        assert saved.state_dict().keys() == given.keys()
+        assert all(torch.equal(w, given[k]) for k, w in saved.state_dict().items())
+
+
 def test_a_critic_with_master_weights_holds_float32_and_computes_in_the_dtype_asked(byte_tokenizer, tmp_path):
     """As load_policy's: --master_weights keeps the critic's weights in float32, marked to compute
     in --dtype; without it they are held in --dtype, with no mark."""
