@@ -362,6 +362,23 @@ def test_main_answers_each_run_with_its_own_config_and_prints_its_row(recall, mo
     assert f"| r1 | {CANNED_CELLS} |" in out
 
 
+def test_answer_rolls_out_with_the_runs_own_settings(recall, monkeypatch):
+    """A run's turn budget, passages a search, their token cap, its length cap, chat-template choice
+    and tokens a turn reach the rollout (each dropped, the rollout's defaults stood in and
+    test_r1pp_recall and test_bench_scripts passed)."""
+    import searchlite.evaluation
+
+    seen = []
+    monkeypatch.setattr(searchlite.evaluation, "score_qa", lambda sampler, *args, **kw: seen.append(
+        (sampler.max_new_tokens, kw)) or (None, []))
+    cfg = dict(model="toy/model", tokenizer="", dtype="float32", retriever="bm25", corpus="toy/corpus.jsonl",
+               encoder="", pooling="mean", index="", retriever_url="", protocol="search_r1", template="toy",
+               max_turns=2, topk=1, max_obs_tokens=40, max_len=700, chat_template=False, max_new_tokens=9)
+    recall.answer("toy/model", {"drawn": []}, cfg)
+    assert seen == [(9, dict(batch_size=64, progress=False, max_turns=2, topk=1, max_obs_tokens=40, max_len=700,
+                             chat_template=False))]
+
+
 def test_main_sft_ceiling_rows_and_floors(recall, monkeypatch, capsys):
     """--sft_epochs 3,0,1,3 asks the ceiling for epochs [0, 1, 3] (0: the start model as it is), and
     --limit 0 takes every drawn question. Floors over the test set (famous x, drawn
