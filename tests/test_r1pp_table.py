@@ -101,12 +101,19 @@ def test_paths_are_taken_as_given_when_they_exist_else_under_the_repo_root(table
 
 
 def test_a_missing_run_is_a_one_line_error_naming_its_metrics(table, monkeypatch, tmp_path, capsys):
+    """Without --runs, the ablation script's runs are read, the first named in the error (the default
+    dropped, a bare command died in a TypeError and test_r1pp_table passed)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(tmp_path / "nope")])
     with pytest.raises(SystemExit) as e:
         table.main()
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and f"{tmp_path / 'nope' / 'metrics.jsonl'}" in err
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py"])
+    monkeypatch.setattr(table, "ROOT", tmp_path)  # (no runs there)
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    assert e.value.code == 2 and f"{tmp_path / 'runs' / 'r1pp-full' / 'metrics.jsonl'}" in capsys.readouterr().err
 
 
 def test_a_data_folder_without_its_questions_is_a_one_line_error_naming_the_file(table, world, monkeypatch, tmp_path,
