@@ -68,6 +68,13 @@ def test_no_command_or_a_build_without_corpus_or_out_is_a_usage_error(tmp_path, 
         with pytest.raises(SystemExit) as stop:
             retrieve.main(argv)
         assert stop.value.code == 2 and "the following arguments are required: " + missing in capsys.readouterr().err
+    # a --kind or --pooling outside its choices, too (without the choices, test_retrieve and test_server passed)
+    for argv, bad in ((["build", "--corpus", str(corpus_file), "--out", str(tmp_path / "i"), "--kind", "rank_bm25"],
+                       "rank_bm25"), (["query", "--kind", "elastic", "tides"], "elastic"),
+                      (["query", "--pooling", "max", "tides"], "max")):
+        with pytest.raises(SystemExit) as stop:
+            retrieve.main(argv)
+        assert stop.value.code == 2 and f"invalid choice: '{bad}'" in capsys.readouterr().err
     assert not (tmp_path / "i").exists()
 
 
