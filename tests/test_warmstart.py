@@ -88,7 +88,7 @@ def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp
     with pytest.raises(SystemExit, match=r"--questions = 10, this one has 12; other rows to train on; "
                                          r"resume with its settings, or rerun without --resume"):
         warmstart.main(["--out", str(tmp_path), *small, "--questions", "12", "--resume"])
-    with pytest.raises(SystemExit, match=r"a run with --lr = 0.003, this one has 0.001"):  # the SFT state's, in flags
+    with pytest.raises(SystemExit, match=r"a run with --lr = 0.003, this one has 0.001"):  # by the flag
         warmstart.main(["--out", str(tmp_path), *small, "--lr", "1e-3", "--resume"])
     warmstart.main(["--out", str(tmp_path), *small, "--resume"])
     assert (tmp_path / "model" / "model.safetensors").exists() and ctrl_c.calls > 2
