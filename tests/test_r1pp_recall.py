@@ -73,23 +73,29 @@ def test_drawn_facts_are_the_non_famous_hops_of_the_drawn_questions(recall):
     assert recall.drawn_facts([]) == set()
 
 
-def test_memory_rows_train_on_the_answer_from_memory_alone(recall, byte_tokenizer):
+@pytest.mark.parametrize("bos", [False, True])
+def test_memory_rows_train_on_the_answer_from_memory_alone(recall, byte_tokenizer, bos):
+    """Also under a tokenizer that puts a BOS before what it encodes: none lands inside a row
+    (without add_special_tokens=False on the answers, test_r1pp_recall and test_bench_scripts passed)."""
+    from conftest import with_bos
+
     from searchlite.protocol import get_protocol
     from searchlite.rollout import encode_prompt
     from searchlite.teacher import Teacher
 
+    tok = with_bos(byte_tokenizer) if bos else byte_tokenizer
     pp = get_protocol("r1_searcher_pp", "toy")
     qa = [QA("t1", "Who founded Numel Works?", ["Rovo Thitas"], {"hops": [hop("n", "Rovo Thitas")]}),
           QA("t2", "When was X born?", ["1852"], {"hops": [hop("x", "1852")]})]
-    rows = recall.memory_rows(qa, byte_tokenizer, pp, chat_template=False)
-    teacher = Teacher(byte_tokenizer, pp, qa)
+    rows = recall.memory_rows(qa, tok, pp, chat_template=False)
+    teacher = Teacher(tok, pp, qa)
     for i, q in enumerate(qa):
         ids, lm, att = rows.input_ids[i], rows.loss_mask[i].bool(), rows.attention_mask[i].bool()
-        trained = byte_tokenizer.decode(ids[lm].tolist(), skip_special_tokens=False)
+        trained = tok.decode(ids[lm].tolist(), skip_special_tokens=False)
         assert trained == teacher.recall(q.answers[0])
         assert "<|begin_internal_answer|>" in trained and "<|begin_external_search|>" not in trained
         assert pp.parse(trained).content == q.answers[0]
-        prompt = encode_prompt(byte_tokenizer, pp, q.question, False)
+        prompt = encode_prompt(tok, pp, q.question, False)
         assert ids[att][:len(prompt)].tolist() == prompt
         assert not lm[att][:len(prompt)].any()  # the prompt is not trained
         assert int(lm.sum()) == int(att.sum()) - len(prompt)
