@@ -138,6 +138,14 @@ def test_dense_build_flags_reach_the_folder(tmp_path, corpus_file, encoder_dir, 
                                                                    "manifest.json"]  # 4 + 4 + 2 passages
 
 
+def test_a_dense_build_keeps_256_tokens_a_passage_unless_told(tmp_path, corpus_file, encoder_dir):
+    """--max_length defaults to 256, as its help says (dropped, test_retrieve and test_server passed:
+    their dense builds give it)."""
+    retrieve.main(["build", "--corpus", str(corpus_file), "--encoder", str(encoder_dir / "tiny-bert"),
+                   "--out", str(tmp_path / "d")])
+    assert json.loads((tmp_path / "d" / "dense.json").read_text())["max_length"] == 256
+
+
 # ---------------------------------------------------------------------------- query
 
 
