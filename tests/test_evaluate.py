@@ -349,6 +349,11 @@ def world(tmp_path_factory):
     return root
 
 
+def tokenizer_copy(world, folder):
+    """The world model's tokenizer files alone, in `folder` (a --tokenizer that is not the model's)."""
+    shutil.copytree(world / "model", folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+
+
 def cli(world, out, *extra):
     return ["--model", str(world / "model"), "--data", f"{world / 'alpha.jsonl'},{world / 'beta.jsonl'}",
             "--corpus", str(world / "corpus.jsonl"), "--methods", "direct,rag,search", "--template", "",
@@ -743,7 +748,7 @@ def test_a_resume_refuses_a_tokenizer_changed_in_place(world, tmp_path, capsys):
 
     model, tok = tmp_path / "model", tmp_path / "tok"
     shutil.copytree(world / "model", model)
-    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tokenizer_copy(world, tok)
     for folder, extra in ((model, ()), (tok, ("--tokenizer", str(tok)))):
         args = cli(world, tmp_path / f"out-{folder.name}", "--model", str(model), "--methods", "direct", *extra)
         evaluate.main(args)
@@ -1809,7 +1814,7 @@ def test_run_settings_reach_the_sampler(world, tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFSampler, "generate", generate)
     tok = tmp_path / "tok"
-    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tokenizer_copy(world, tok)
     evaluate.main(one_set(world, tmp_path / "out", "--methods", "rag,search", "--topk", "1", "--answer_tokens", "5",
                           "--dtype", "bfloat16", "--tokenizer", str(tok), "--max_new_tokens", "4"))
     rag = [s for s in seen if not s["agent"]]
@@ -1832,7 +1837,7 @@ def test_the_prompt_set_and_the_chat_template_choice_reach_every_method(world, t
 
     monkeypatch.setattr(HFSampler, "generate", generate)
     tok = tmp_path / "tok"  # the model's tokenizer, with a chat template
-    shutil.copytree(world / "model", tok, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tokenizer_copy(world, tok)
     config = json.loads((tok / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}[USER] {{ m['content'] }} [/USER]{% endfor %}[BOT]"
     (tok / "tokenizer_config.json").write_text(json.dumps(config))
