@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import run_under_ascii_locale
+from conftest import free_port, run_under_ascii_locale
 from test_rollout import SCRIPTS, FakeRetriever, ScriptedSampler
 
 from searchlite.protocol import get_protocol
@@ -235,15 +235,6 @@ def test_the_command_searches_with_the_runs_retriever_unless_told_otherwise(tmp_
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit, match=re.escape(f"error: --retriever_url {dead}: the retrieval server does not")):
         main(["--model", str(run), "--n", "1", "--retriever_url", dead, "--out", out])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 
 def test_the_command_scores_an_r1pp_run_by_its_own_reward(tmp_path, monkeypatch):
