@@ -156,6 +156,28 @@ def test_update_bench_defaults_reach_the_toy_config_rollout_and_both_loops(stubb
     assert seen["bare_sizes"] == [10] * 4  # the bare loop in train.update's micro-batches of 10
 
 
+def test_update_bench_without_flags_times_the_toy_model_5_times_and_its_flags_reach_the_batch(stubbed_update_bench,
+                                                                                             monkeypatch):
+    """With no flags: the toy warm start, a warm-up round and 5 counted; --model, --questions, --group and
+    --repeats, given, reach what is loaded, the batch and the rounds (as numbers: a batch of "3" failed)."""
+    bench, seen = stubbed_update_bench
+    loaded = []
+    monkeypatch.setattr(bench, "load_tokenizer", lambda path: loaded.append(("tokenizer", path)))
+    monkeypatch.setattr(bench, "load_policy", lambda path: loaded.append(("policy", path)) or torch.nn.Linear(1, 1))
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=clock([1] * 18)))  # 6 rounds of 3 readings
+    monkeypatch.setattr(sys, "argv", ["update_bench.py"])
+    bench.main()
+    assert loaded == [("tokenizer", "toy/model"), ("policy", "toy/model")] and seen["updates"] == 6
+    loaded.clear()
+    monkeypatch.setattr(sys, "argv", ["update_bench.py", "--model", "elsewhere", "--questions", "3", "--group", "2",
+                                      "--repeats", "1"])
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=clock([1] * 6)))
+    bench.main()
+    assert loaded == [("tokenizer", "elsewhere"), ("policy", "elsewhere")] and seen["updates"] == 6 + 2
+    assert seen["argv"][-1] == ["--preset", "toy", "--group", "2", "--batch_size", "3", "--lr", "1e-5"]
+    assert seen["questions"][-1] == ["q0?", "q0?", "q1?", "q1?", "q2?", "q2?"]
+
+
 def test_update_bench_bare_step_takes_the_gradient_of_the_token_mean_nll(byte_tokenizer):
     """Micro-batches of 2 rows, each cut to its width, sum to the gradient of -(mean log-prob of the
     policy tokens) over the whole batch, as one pass over whole rows gives it."""
