@@ -1351,6 +1351,23 @@ def test_max_length_past_the_encoders_positions_is_cut_to_them(encoder):
         assert TextEncoder(encoder, max_length=512).max_length == 512
 
 
+def test_an_encoder_that_names_no_position_limit_keeps_max_length(encoder, tmp_path):
+    """XLNet has relative positions, no position table: its config says -1, and a tokenizer with no
+    model_max_length has transformers' huge stand-in. No limit, so --max_length is kept, with no warning."""
+    import torch
+    from transformers import AutoTokenizer, XLNetConfig, XLNetModel
+
+    tok = AutoTokenizer.from_pretrained(encoder)
+    tok.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    XLNetModel(XLNetConfig(vocab_size=len(tok), d_model=32, n_layer=1, n_head=2, d_inner=64)).save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enc = TextEncoder(str(tmp_path), max_length=1024)
+    assert enc.model.config.max_position_embeddings == -1 and enc.tokenizer.model_max_length > 10**20
+    assert enc.max_length == 1024 and enc.encode(["press founder", "bank"]).shape[0] == 2
+
+
 def test_an_index_over_a_copy_with_lines_moved_warns(tmp_path, toy_passages):
     """Count and sampled ids matched, so a corpus with two lines swapped, given by another path, loaded
     silently and showed one passage's text with another's score."""
