@@ -54,6 +54,13 @@ def test_group_below_two_is_an_argument_error(gpu_check, capsys):
     assert e.value.code == 2 and "--group: must be at least 2" in capsys.readouterr().err
 
 
+def test_a_dtype_other_than_bf16_or_float32_is_an_argument_error(gpu_check, capsys):
+    """float16 is a torch dtype too: it got through parse, and the step ran in a dtype train.py refuses to train in."""
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse(["--tiny", "--dtype", "float16"])
+    assert e.value.code == 2 and "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def spied_tiny_run(gpu_check):
     """One --tiny run (2 questions x group 3, 1 turn, micro-batches of 4, seed 3) with its rollout (searches set to
@@ -243,3 +250,6 @@ def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
     assert (round(total / 1e9, 2), round((total - embedding) / 1e9, 2)) == (3.09, 2.77)
     assert 2 * total == 6_171_877_376  # one more row of the MLP or the vocabulary, and the shape is not Qwen's
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # what its config.json says beside the shape (Qwen2Config's own default rope_theta is 10,000)
+    rope, cfg = model.config.rope_parameters, model.config
+    assert (rope["rope_theta"], cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e6, 1e-6, 32768)
