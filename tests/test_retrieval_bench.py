@@ -43,6 +43,15 @@ def test_retrieval_bench_child_peak_rss_is_its_own_not_the_parents(retrieval_ben
     assert 300 < retrieval_bench.run_measured([sys.executable, str(script)])[2] * 1024 < 1000
 
 
+def test_retrieval_bench_child_runs_its_script_as_main_from_the_repo_root(retrieval_bench, tmp_path, monkeypatch):
+    """It runs `retrieve.py` by that name, from wherever the bench was started, and retrieve.py (as any
+    script) does its work under `if __name__ == "__main__"`."""
+    script = tmp_path / "guarded.py"
+    script.write_text("import os\nif __name__ == '__main__':\n    print(os.getcwd())\n")
+    monkeypatch.chdir(tmp_path)
+    assert retrieval_bench.run_measured([sys.executable, str(script)])[3] == f"{retrieval_bench.ROOT}\n"
+
+
 def test_retrieval_bench_dense_index_folder_names_faiss_and_encoder(retrieval_bench, tmp_path):
     corpus = tmp_path / "wiki.jsonl"
     folder = lambda kind, enc, faiss: retrieval_bench.index_folder(tmp_path, corpus, kind, enc, faiss)  # noqa: E731
@@ -91,9 +100,9 @@ def test_retrieval_bench_shows_why_its_server_exited(retrieval_bench, monkeypatc
         retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
 
 
-
 def test_retrieval_bench_synthetic_set_has_n_passages_and_asks_their_rarest_words(retrieval_bench, tmp_path):
-    corpus, qa = retrieval_bench.write_synthetic(50, tmp_path)
+    """Written into a folder that is not there yet (the default --out, runs/retrieval_bench, in a fresh clone)."""
+    corpus, qa = retrieval_bench.write_synthetic(50, tmp_path / "runs" / "retrieval_bench")
     passages = [json.loads(line)["contents"].split("\n")[1].split() for line in corpus.read_text().splitlines()]
     questions = [json.loads(line) for line in qa.read_text().splitlines()]
     assert len(passages) == 50 and len(questions) == 50
