@@ -358,7 +358,7 @@ def stubbed_sampler_bench(monkeypatch):
     0.25 s. The warm-up round takes 100 s each."""
     sampler_bench = load_bench("sampler_bench")
     seen = {"vllm": [], "hf": [], "pushed": [], "policy_device": [], "questions": [], "plain_max_new": [],
-            "threads": []}
+            "threads": [], "protocol": []}
     policy, random_policy = torch.nn.Linear(1000, 1000), torch.nn.Linear(10, 10)
     policy.config = random_policy.config = "config"
 
@@ -399,7 +399,7 @@ def stubbed_sampler_bench(monkeypatch):
     monkeypatch.setattr("searchlite.models.load_policy", load_policy)
     monkeypatch.setattr("searchlite.sampler.HFSampler", HF)
     monkeypatch.setattr("searchlite.retrieval.build_retriever", lambda kind, corpus: None)
-    monkeypatch.setattr("searchlite.protocol.get_protocol", lambda protocol, template: None)
+    monkeypatch.setattr("searchlite.protocol.get_protocol", lambda *args: seen["protocol"].append(args))
     monkeypatch.setattr("searchlite.data.read_qa", lambda path: [QA(f"q{i}", f"q{i}?", ["a"]) for i in range(20)])
     monkeypatch.setattr("searchlite.rollout.encode_prompt", lambda tok, protocol, q: [1])
     monkeypatch.setattr(sampler_bench, "timed_rollout", timed_rollout)
@@ -449,13 +449,16 @@ def test_sampler_bench_defaults_reach_both_samplers_on_vllms_device(stubbed_samp
     assert seen["hf"] == [sampling, sampling] and seen["policy_device"] == ["cpu"] and seen["threads"] == []
     # the trained policy, then the random one for plain generate (as HF's), then 5 timed pushes of the policy
     assert seen["pushed"][:2] == [policy, random_policy] and seen["pushed"][2:] == [policy] * 5
+    assert seen["protocol"] == [("search_r1", "toy")]  # the toy world's prompt, as train.py's [toy] preset
 
 
 def test_sampler_bench_flags_reach_both_samplers(stubbed_sampler_bench, monkeypatch, capsys):
     sampler_bench, seen, policy, random_policy = stubbed_sampler_bench
     monkeypatch.setattr(sys, "argv", ["sampler_bench.py", "--repeats", "2", "--max_new_tokens", "32", "--temperature",
-                                      "1.0", "--seed", "5", "--eager", "--max_step_tokens", "256", "--threads", "2"])
+                                      "1.0", "--seed", "5", "--eager", "--max_step_tokens", "256", "--threads", "2",
+                                      "--template", ""])
     sampler_bench.main()
     sampling = {"max_new_tokens": 32, "temperature": 1.0, "seed": 5}
     assert seen["vllm"] == [{"eager": True, "max_step_tokens": 256, **sampling}]
     assert seen["hf"] == [sampling, sampling] and seen["threads"] == [2]
+    assert seen["protocol"] == [("search_r1", "")]  # '': Search-R1's own prompt
