@@ -452,6 +452,16 @@ def test_sampler_bench_defaults_reach_both_samplers_on_vllms_device(stubbed_samp
     assert seen["protocol"] == [("search_r1", "toy")]  # the toy world's prompt, as train.py's [toy] preset
 
 
+def test_sampler_bench_without_repeats_times_3_rounds_after_its_warm_up(stubbed_sampler_bench, monkeypatch, capsys):
+    sampler_bench, seen, *_ = stubbed_sampler_bench
+    rollout = lambda *args: seen["questions"].append(args[-1]) or (120, 2, 1, 1)  # noqa: E731
+    monkeypatch.setattr(sampler_bench, "timed_rollout", rollout)
+    monkeypatch.setattr(sys, "argv", ["sampler_bench.py"])
+    sampler_bench.main()
+    assert len(seen["questions"]) == 8  # 4 rounds x 2 samplers
+    assert "rollout, 80 trajectories (16 questions x group 5), toy/model, medians of 3:" in capsys.readouterr().out
+
+
 def test_sampler_bench_flags_reach_both_samplers(stubbed_sampler_bench, monkeypatch, capsys):
     sampler_bench, seen, policy, random_policy = stubbed_sampler_bench
     monkeypatch.setattr(sys, "argv", ["sampler_bench.py", "--repeats", "2", "--max_new_tokens", "32", "--temperature",
