@@ -463,7 +463,7 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
     `reads`, when given (as to parse_args), limits the checks to the fields the program uses."""
     from .distributed import PARALLEL_MODES
     from .models import DTYPES, pick_device
-    from .protocol import get_protocol, missing_template, template_path
+    from .protocol import get_protocol, template_path
     from .retrieval import KINDS, other_index_kind
 
     def used(name: str) -> bool:
@@ -555,13 +555,10 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"--retriever rank_bm25 with --index {cfg.index}: rank_bm25 builds its BM25 in memory "
                           "with the rank_bm25 package; an index folder (retrieve.py build) holds a bm25s index, "
                           "which --retriever bm25 reads")
-    prompt = template_path(cfg.protocol, cfg.template)
-    if not prompt.exists():
-        raise ConfigError(f"--template {cfg.template!r}: {missing_template(prompt, cfg.protocol)}")
-    if prompt.is_dir():
+    if template_path(cfg.protocol, cfg.template).is_dir():
         raise ConfigError(f"--template {cfg.template!r} is a folder; give a prompt file with {{question}}, a set name "
                           "(toy, fewshot) or '' (the paper's)")
-    try:  # the prompt itself: a file without {question}
+    try:  # the prompt itself: a missing file, or one without {question}
         get_protocol(cfg.protocol, cfg.template)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--template {cfg.template!r}: {e}") from None
