@@ -52,6 +52,20 @@ def test_bool_flags(presets):
         parse_args(["--mask_retrieved", "maybe"], presets)
 
 
+def test_bool_arg_flags_of_the_scripts(capsys):
+    """evaluate.py's and view's boolean flags (--progress, --chat_template) read the same words as
+    train.py's; another word is a usage error naming the flag, not a silent false."""
+    from searchlite.config import ArgumentParser, bool_arg
+
+    ap = ArgumentParser(prog="evaluate.py")
+    ap.add_argument("--progress", type=bool_arg, default=True)
+    for word, value in (("TRUE", True), ("Yes", True), ("1", True), ("False", False), ("NO", False), ("0", False)):
+        assert ap.parse_args(["--progress", word]).progress is value, word
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--progress", "maybe"])
+    assert e.value.code == 2 and "argument --progress: expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
 def test_a_bad_value_from_a_preset_is_named_by_its_preset_line(tmp_path):
     """temperature = -0.7 in [toy] was reported as '--temperature -0.7', a flag nobody typed."""
     from searchlite.config import check_config
