@@ -253,6 +253,15 @@ def test_left_padded_rows_are_refused(byte_tokenizer):
                 progress=False)
 
 
+def test_no_rows_are_refused_by_name(byte_tokenizer):
+    """Zero rows failed in the learning-rate schedule, with a ZeroDivisionError."""
+    from conftest import make_tiny_llama
+
+    ids = torch.zeros((0, 6), dtype=torch.long)
+    with pytest.raises(ValueError, match="^sft: no rows to train on$"):
+        sft(make_tiny_llama(byte_tokenizer), ids, ids, progress=False)
+
+
 def test_sft_loss_over_no_trained_token_is_zero_with_a_zero_gradient(byte_tokenizer):
     """memorization_backward's padding passes (a rank with fewer rewrites, under torchrun) have
     loss_mask 0 everywhere: their loss must be 0 and their gradient 0, not NaN."""
