@@ -89,6 +89,12 @@ def cut_at_stop(text: str, stop) -> str:
     return text[:min(ends)] if ends else text
 
 
+def test_run_batch_refuses_an_unknown_method_by_name(tok):
+    """run_batch("ircot", ...) is no method: an error naming the four, not a bare KeyError: 'ircot'."""
+    with pytest.raises(ValueError, match=re.escape("unknown method 'ircot' (valid: direct, cot, rag, search)")):
+        run_batch("ircot", qa(("capital of France", ["Paris"])), ScriptedSampler(tok, {}), None, tok, P)
+
+
 def test_a_baseline_answer_that_ends_at_the_eos_is_read_without_it(tok):
     """A sampler returns the EOS a model ends on (HFSampler and vLLM both do): direct, cot and rag
     decode without special tokens, so "Paris" + EOS is "Paris" and scores."""
