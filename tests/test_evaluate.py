@@ -335,6 +335,17 @@ def test_a_record_without_its_key_names_its_line(tmp_path):
     assert str(e.value) == f"{path}:3: record lacks 'method'"  # the blank line 2 counts
 
 
+def test_record_log_replace_rewrites_the_records_given_in_place_of_those_with_their_key(tmp_path):
+    """Records given as new objects (not the logged ones changed in place, as the judge does) replace
+    the logged ones with their key, in the log's order, in memory and on disk."""
+    path = tmp_path / "r.jsonl"
+    log = RecordLog(path)
+    log.add([{"dataset": "d", "method": "direct", "id": i, "em": 0.0} for i in ("0", "1")])
+    log.replace([{"dataset": "d", "method": "direct", "id": "1", "em": 1.0}])
+    assert [r["em"] for r in log.done.values()] == [0.0, 1.0]
+    assert [r["em"] for r in RecordLog(path).done.values()] == [0.0, 1.0]
+
+
 # ---------------------------------------------------------------------------- the CLI end to end
 
 
