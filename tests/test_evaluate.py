@@ -1463,6 +1463,31 @@ def test_stale_records_are_judged_and_saved_a_batch_at_a_time(tok, tmp_path, jud
     assert len(sampler.calls) == 1
 
 
+def test_verdicts_judged_again_are_saved_every_save_every_seconds_each_once(tok, tmp_path, judge_server, monkeypatch):
+    """log.replace rewrites the whole file, so stale records judged again are saved when SAVE_EVERY seconds have
+    passed (here after every batch), each batch once, and the rest when judging ends (here all at the end)."""
+    questions = qa(*[(f"q{i}", [f"a{i}"]) for i in range(5)])
+    sampler = ScriptedSampler(tok, {f"q{i}": f"a{i}" for i in range(5)})
+    run = lambda chunk: run_batch("direct", chunk, sampler, None, tok, P, chat_template=False)  # noqa: E731
+    path, judge = tmp_path / "r.jsonl", Judge(judge_server, "j", retries=0)
+    evaluate_set("d", "direct", questions, RecordLog(path), run, progress=False)  # no judge yet
+    saved, replace = [], RecordLog.replace
+
+    def recorded(log, records):
+        saved.append([r["id"] for r in records])
+        replace(log, records)
+    monkeypatch.setattr(RecordLog, "replace", recorded)
+    for every, expected in ((-1, [["0", "1"], ["2", "3"], ["4"]]), (3600, [["0", "1", "2", "3", "4"]])):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({k: v for k, v in r.items() if "judge" not in k}) + "\n" for r in lines))
+        monkeypatch.setattr("searchlite.evaluation.SAVE_EVERY", every)
+        saved.clear()
+        recs = evaluate_set("d", "direct", questions, RecordLog(path), run, batch_size=2, progress=False, judge=judge)
+        assert saved == expected and [r["judge"] for r in recs] == [1.0] * 5
+        assert [json.loads(line)["judge"] for line in path.read_text().splitlines()] == [1.0] * 5
+    assert len(sampler.calls) == 1
+
+
 def test_cli_with_judge(world, tmp_path, judge_server, capsys):
     evaluate.main(cli(world, tmp_path / "none", "--methods", "direct", "--judge_model", "m", "--judge_max_tokens", "9"))
     assert "note: --judge_model, --judge_max_tokens set without --judge_url: no judge is asked" in capsys.readouterr().err
