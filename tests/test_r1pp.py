@@ -630,7 +630,11 @@ def test_stage1_with_the_teacher_writes_a_model(tiny_model, tmp_path, monkeypatc
         r1pp.main([*small, "--train_data", str(plain)])
     assert (out / "stage1.json").exists() and (out / "config.json").read_bytes() == config
     assert not list(out.glob("*previous*"))
+    capsys.readouterr()
     r1pp.main(small)
+    note = (f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), and the "
+            "earlier one is kept: model -> model.previous, stage1.json -> stage1.previous.json")
+    assert note in capsys.readouterr().out
     assert (out / "model.previous" / "model.safetensors").read_bytes() == weights
     assert (out / "config.previous.json").read_bytes() == config
     assert (out / "rejection_sampling.previous.jsonl").read_bytes() == log
