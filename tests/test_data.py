@@ -432,3 +432,23 @@ def test_held_folder_removes_only_a_folder_it_made_and_left_bare(tmp_path):
         with pytest.raises(RuntimeError, match="busy"):
             with held_folder(tmp_path / "held", "run.lock", busy):
                 pass
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts this process's descriptors in /proc")
+def test_durable_writes_leave_no_descriptor_open(tmp_path):
+    """Each durable write opens the file (a folder: each file in it) and its folder to fsync them:
+    a descriptor left open each time, a long run would reach its open-file limit."""
+    from searchlite.data import replace_durably, write_durably
+
+    def descriptors() -> int:
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    before = descriptors()
+    for i in range(10):
+        write_jsonl(tmp_path / "rows.jsonl", [{"i": i}])
+        write_durably(tmp_path / "blob.bin", lambda f: f.write(b"x"))
+        (tmp_path / "tmp" / "sub").mkdir(parents=True)
+        (tmp_path / "tmp" / "sub" / "a.txt").write_text("a")
+        replace_durably(tmp_path / "tmp", tmp_path / f"folder{i}")  # a folder: each file in it too
+    assert descriptors() == before
+    assert [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == [{"i": 9}]
