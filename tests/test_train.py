@@ -571,6 +571,18 @@ def test_a_model_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch):
         train.main(["--model", "Org/nosuch", "--out_dir", str(tmp_path / "run"), "--steps", "1"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--algo", "grp"], "error: --algo 'grp': not one of grpo, ppo, reinforce_pp (did you mean 'grpo'?)"),  # config's
+    (["--optimizer", "sgd"], "error: unknown --optimizer 'sgd' (valid: adamw, adamw8bit)"),  # the levers' (memory.py)
+])
+def test_train_py_refuses_a_value_no_run_can_use_before_it_makes_its_folder(tmp_path, flags, message):
+    """check_config and check_levers are tested on their own: train.py without either call passed test_train,
+    test_config, test_scripts and test_readme."""
+    with pytest.raises(SystemExit) as e:
+        train.main([*flags, "--out_dir", str(tmp_path / "run"), "--steps", "1"])
+    assert e.value.code == message and not (tmp_path / "run").exists()
+
+
 def test_a_tokenizer_folder_without_a_tokenizer_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: --tokenizer searchlite/templates: could not load its tokenizer: "
                                          r"Couldn't instantiate the backend tokenizer"):  # was a ValueError traceback
