@@ -48,17 +48,15 @@ def test_explicit_flags_win_over_tiny_defaults(gpu_check):
     assert (given.questions, given.group, given.max_new_tokens) == (8, 5, 128)  # equal to the defaults: still kept
 
 
-def test_group_below_two_is_an_argument_error(gpu_check, capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--group", "1"], "--group: must be at least 2"),
+    # float16 is a torch dtype too: it got through parse, and the step ran in a dtype train.py refuses to train in
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+])
+def test_a_group_below_two_or_a_dtype_outside_the_choices_is_an_argument_error(gpu_check, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
-        gpu_check.parse(["--tiny", "--group", "1"])
-    assert e.value.code == 2 and "--group: must be at least 2" in capsys.readouterr().err
-
-
-def test_a_dtype_other_than_bf16_or_float32_is_an_argument_error(gpu_check, capsys):
-    """float16 is a torch dtype too: it got through parse, and the step ran in a dtype train.py refuses to train in."""
-    with pytest.raises(SystemExit) as e:
-        gpu_check.parse(["--tiny", "--dtype", "float16"])
-    assert e.value.code == 2 and "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
+        gpu_check.parse(["--tiny", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
