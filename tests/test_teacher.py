@@ -96,6 +96,19 @@ def test_questions_without_hops_are_refused_with_the_way_out():
         Teacher(None, PP, [plain])
 
 
+def test_the_question_is_the_last_known_one_in_the_context_and_an_unknown_one_is_named():
+    """A prompt may show other questions before the one asked (a few-shot example): the teacher plays
+    the last one it knows. A context with none of its questions is a KeyError that quotes it
+    (without the raise, an AttributeError on None said nothing of the context)."""
+    q = QA("2", "Who was born first, Bo Sel or Ri Tam?", ["Ri Tam"],
+           {"type": "comparison", "hops": [hop("Bo Sel", "1801", False), hop("Ri Tam", "1799", False)]})
+    known = QA("3", "Where was Lira Dun born?", ["Tesk"], {"type": "1hop", "hops": [hop("Lira Dun", "Tesk", True)]})
+    teacher = Teacher(TOK, PP, [q, known], seed=0, **EXACT)
+    example = f"Question: {known.question}\nAnswer: Tesk\n"
+    assert teacher.turn(f"{example}Question: {q.question}\n") == teacher.turn(f"Question: {q.question}\n")
+    assert teacher.turn(f"Question: {q.question}\n").endswith(PP.stop[0])  # a search: the known one is recalled
+    with pytest.raises(KeyError, match="no known question in context: 'Question: Where was Ada born"):
+        teacher.turn("Question: Where was Ada born?\n")
 
 
 def test_a_later_comparison_picks_the_later_year():
