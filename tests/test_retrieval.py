@@ -186,6 +186,11 @@ def test_bm25_rejects_unknown_backend_and_empty_corpus():
         BM25Retriever(CORPUS, backend="lucene")
     with pytest.raises(ValueError, match="BM25Retriever needs at least one passage"):
         BM25Retriever([])
+    from searchlite.bm25 import build_bm25
+
+    for batches in ([], [(0, [])]):  # the index builder, called alone: no batch, or batches with no passage
+        with pytest.raises(ValueError, match="a BM25 index needs at least one passage"):
+            build_bm25(batches, progress=False)
 
 
 def test_rank_bm25_scores_with_the_given_k1_and_b_by_hand():
