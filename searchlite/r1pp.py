@@ -491,7 +491,6 @@ def _stage1(cfg, began: list) -> Path:
     if not cfg.resume and (moved := set_aside(out, STAGE1_OUTPUTS)):  # a forgotten --resume loses nothing
         print(f"note: {out} holds an earlier stage 1; this one starts afresh (--resume continues it instead), "
               f"and the earlier one is kept: {', '.join(moved)}", flush=True)
-    (out / "stage1.json").unlink(missing_ok=True)  # written last: there only when this stage 1 finished
     if cfg.resume and (out / "config.json").exists():  # what --resume continues with (the sampling log and the
         done = json.loads((out / "config.json").read_text(encoding="utf-8"))  # SFT state refuse what they cannot)
         changes = [f"{k}: {done[k]!r} -> {getattr(cfg, k)!r}" for k in RESUME_MAY_CHANGE
