@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,7 @@ from searchlite.data import Passage
 from searchlite.protocol import get_protocol
 from searchlite.toytokenizer import (EOS, PAD, TAGS, TEMPLATE_DIR, build_tokenizer, format_result, length_report,
                                      read_templates, world_texts)
-from searchlite.toyworld import COMPARISONS, MIX, _one_off, build_world, main, write_world
+from searchlite.toyworld import COMPARISONS, MIX, _one_off, _select, build_world, main, write_world
 
 ASSETS = Path(__file__).resolve().parents[1] / "searchlite" / "assets" / "toyworld"
 FILES = ["corpus.jsonl", "train.jsonl", "test.jsonl", "tokenizer.json", "tokenizer_config.json"]
@@ -309,6 +310,24 @@ def test_no_question_text_is_asked_twice_in_a_split(world):
     for rows in (world.train, world.test):
         texts = [q["question"] for q in rows]
         assert len(set(texts)) == len(texts)
+
+
+def test_selection_takes_a_text_once_other_facts_first_and_refuses_to_run_short():
+    """Sampled comparisons can repeat a pair in the same words: the selection keeps one copy, takes
+    another phrasing of a fact only when the facts run out, and skips texts taken by the other split
+    (without the repeat check, or without the refusal, the other tests here passed)."""
+    def cand(text, pair):
+        return {"type": "comparison", "question": text, "key": pair, "famous": False}
+
+    cands = [cand("A or B?", "AB"), cand("A or B?", "AB"), cand("B or A?", "AB"), cand("C or D?", "CD")]
+    for seed in range(4):  # (the order drawn depends on the seed)
+        rng = random.Random(seed)
+        assert sorted(q["question"] for q in _select(cands, 3, 0.0, rng, set())) == ["A or B?", "B or A?", "C or D?"]
+        assert sorted(q["key"] for q in _select(cands, 2, 0.0, rng, set())) == ["AB", "CD"]
+        assert sorted(q["question"] for q in _select(cands, 2, 0.0, rng, {"C or D?"})) == ["A or B?", "B or A?"]
+    with pytest.raises(ValueError, match=r"only 3 distinct comparison questions \(0 famous, 3 plain\) for the 4 "
+                                         "wanted; try another --seed"):
+        _select(cands, 4, 0.0, random.Random(0), set())
 
 
 @pytest.mark.parametrize("name", ["search_r1", "r1_searcher_pp"])
