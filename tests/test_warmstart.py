@@ -76,24 +76,33 @@ def test_stopped_and_resumed_build_writes_the_same_model(tmp_path, monkeypatch, 
 
 def test_a_phase_of_zero_passes_is_skipped_and_a_resume_names_a_changed_flag(tmp_path, monkeypatch, capsys,
                                                                             torch_settings):
+    """Also: a build without --resume over a stopped one trains from its first step (without the
+    removal of the saved states, it went on from the stopped step and test_warmstart passed)."""
+    import shutil
+
     from conftest import CtrlC
     from searchlite import sft, warmstart
 
     small = ["--questions", "10", "--read_passes", "0", "--epochs", "1", "--threads", "1"]
+    out = tmp_path / "run"
     ctrl_c = CtrlC(monkeypatch, sft, "sft_loss", at=2)
     with pytest.raises(SystemExit) as stopped:
-        warmstart.main(["--out", str(tmp_path), *small])
+        warmstart.main(["--out", str(out), *small])
     assert stopped.value.code == 130 and "of the imperfect phase" in capsys.readouterr().out
     ctrl_c.at = 0
     with pytest.raises(SystemExit, match=r"--questions = 10, this one has 12; other rows to train on; "
                                          r"resume with its settings, or rerun without --resume"):
-        warmstart.main(["--out", str(tmp_path), *small, "--questions", "12", "--resume"])
+        warmstart.main(["--out", str(out), *small, "--questions", "12", "--resume"])
     with pytest.raises(SystemExit, match=r"a run with --lr = 0.003, this one has 0.001"):  # by the flag
-        warmstart.main(["--out", str(tmp_path), *small, "--lr", "1e-3", "--resume"])
-    warmstart.main(["--out", str(tmp_path), *small, "--resume"])
-    assert (tmp_path / "model" / "model.safetensors").exists() and ctrl_c.calls > 2
+        warmstart.main(["--out", str(out), *small, "--lr", "1e-3", "--resume"])
+    shutil.copytree(out, tmp_path / "afresh")  # the stopped build, its saved state with it
+    ctrl_c.calls = 0
+    warmstart.main(["--out", str(tmp_path / "afresh"), *small])
+    steps, ctrl_c.calls = ctrl_c.calls, 0
+    warmstart.main(["--out", str(out), *small, "--resume"])
+    assert (out / "model" / "model.safetensors").exists() and ctrl_c.calls == steps - 2 > 0
     with pytest.raises(SystemExit):
-        warmstart.main(["--out", str(tmp_path), *small, "--epochs", "0"])
+        warmstart.main(["--out", str(out), *small, "--epochs", "0"])
     assert "--read_passes 0 and --epochs 0 leave nothing to train on" in capsys.readouterr().err
 
 
