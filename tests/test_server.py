@@ -240,13 +240,18 @@ def test_stop_cancels_the_batcher_running_on_this_loop(caplog):
 def test_a_served_app_starts_its_batcher_with_the_server_and_cancels_it_at_shutdown(monkeypatch):
     """The app's lifespan: the batcher runs from start-up, and shutting down cancels it rather than
     leaving its task pending on a closing loop (without the lifespan, test_server, test_retrieve,
-    test_retrieval_scale and test_retrieval passed: the first request starts it)."""
-    made = []
+    test_retrieval_scale and test_retrieval passed: the first request starts it; without the stop,
+    test_server passed: the task ended cancelled all the same as the test client closed)."""
+    made, stopped = [], []
 
     class Recorded(Batcher):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
+
+        def stop(self):
+            stopped.append(self.task.done())  # running until the shutdown stops it
+            super().stop()
 
     monkeypatch.setattr(searchlite.server, "Batcher", Recorded)
     with TestClient(make_app(NoHits())) as client:
@@ -254,7 +259,7 @@ def test_a_served_app_starts_its_batcher_with_the_server_and_cancels_it_at_shutd
         task = batcher.task
         assert task is not None and not task.done()  # before any request
         assert client.post("/retrieve", json={"queries": ["a"]}).json() == {"result": [[]]}
-    assert task.cancelled()
+    assert stopped == [False] and task.cancelled()
 
 
 def test_a_request_within_batch_wait_of_the_first_joins_its_batch(toy_passages):
