@@ -109,6 +109,13 @@ def test_the_optimizer_takes_the_weight_decay_given(tiny_llama, kind):
         assert {g["weight_decay"] for g in opt.param_groups} == {wd}
 
 
+def test_an_unknown_optimizer_is_refused_naming_the_valid_ones(tiny_llama):
+    """check_config refuses one first; code that calls make_adamw itself gets the same names (without the
+    refusal, None came back, and test_memory passed)."""
+    with pytest.raises(ValueError, match=r"unknown optimizer 'sgd' \(valid: adamw, adamw8bit\)"):
+        make_adamw(tiny_llama.parameters(), "sgd", lr=1e-3, weight_decay=0.0)
+
+
 def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward):
     from safetensors.torch import load_file
 
@@ -154,7 +161,11 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
         torch.testing.assert_close(hidden, merged.base_model(input_ids=IDS).last_hidden_state, atol=0, rtol=0)
 
 
-def test_a_misspelt_lora_target_is_named(tiny_llama):
+def test_a_misspelt_lora_target_is_named_and_an_empty_list_refused(tiny_llama):
+    for empty in ("", " , "):  # (without the refusal, test_memory passed)
+        with pytest.raises(ConfigError, match=r"--lora_targets is empty: name modules \(e.g. q_proj,v_proj\) or use "
+                                              "all-linear"):
+            add_lora(tiny_llama, rank=4, alpha=8.0, targets=empty)
     with pytest.raises(ConfigError, match=r"no module of the model is named 'v_prj' \(its linear layers: down_proj"):
         add_lora(tiny_llama, rank=4, alpha=8.0, targets="q_proj,v_prj")
     for part in ("proj", "q_pro"):  # part of a name is not a module's name
