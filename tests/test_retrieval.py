@@ -100,6 +100,22 @@ def test_search_rejects_bad_arguments():
         _Spy().search(["q"], k=True)
 
 
+def test_a_retriever_of_ones_own_must_answer_each_distinct_query_once():
+    """A subclass (a user's own retriever) that drops a query's list is an error naming the subclass and
+    the counts, not a bare KeyError of a query; one without `_search_unique` says so (without either
+    raise, test_retrieval passed)."""
+    short = _Spy()
+    short._search_unique = lambda queries, k: [[]] * (len(queries) - 1)
+    with pytest.raises(RuntimeError, match="_Spy returned 1 result lists for 2 queries"):
+        short.search(["a", "b", "a"], k=3)
+
+    class Bare(Retriever):
+        pass
+
+    with pytest.raises(NotImplementedError):
+        Bare().search(["a"], k=1)
+
+
 def test_bm25_dedup_through_real_retriever():
     r = BM25Retriever(CORPUS)
     seen = []
