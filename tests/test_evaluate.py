@@ -1404,6 +1404,27 @@ def test_judge_endpoint_not_answering():
         judge.check()
 
 
+def test_a_judge_reply_that_is_no_chat_completion_is_quoted_at_once():
+    """A 200 reply of another shape (an error in JSON from a proxy) is a JudgeError that quotes it, with
+    no retry (without the raise, test_evaluate passed: the judge asked again, then said the endpoint
+    does not answer, with no cause)."""
+
+    class NotChat(JSONHandler):
+        calls = 0
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            NotChat.calls += 1
+            self.send_json(200, {"error": {"message": "no such model"}})
+
+    with serving(NotChat) as port:
+        judge = Judge(f"http://127.0.0.1:{port}/v1", "m", retries=2, backoff=0)
+        with pytest.raises(JudgeError, match=rf"judge endpoint http://127.0.0.1:{port}/v1/chat/completions sent no "
+                                             r"chat completion: b'\{\"error\": \{\"message\": \"no such model"):
+            judge.ask("hello")
+    assert NotChat.calls == 1
+
+
 def test_judge_added_to_finished_records(tok, tmp_path, judge_server):
     questions = qa(("q1", ["Paris"]), ("q2", ["Rome"]))
     sampler = ScriptedSampler(tok, {"q1": "paris", "q2": "Milan"})
