@@ -44,6 +44,7 @@ import torch
 from .config import ArgumentParser, ConfigError, HelpFormatter, resolve_path
 
 OPTIMIZERS = ("adamw", "adamw8bit")
+NO_TARGETS = "--lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear"
 
 
 def is_adapter(path) -> bool:
@@ -60,6 +61,8 @@ def check_levers(cfg) -> None:
                           "(pip install -e '.[bnb]')")
     if cfg.lora_rank < 0:
         raise ConfigError(f"--lora_rank must be >= 0 (0 = no LoRA), got {cfg.lora_rank}")
+    if cfg.lora_rank and not cfg.lora_targets.replace(",", "").strip():
+        raise ConfigError(NO_TARGETS)
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora_rank needs peft: pip install peft (pip install -e '.[lora]')")
     if cfg.lora_rank and is_adapter(cfg.model):
@@ -180,7 +183,7 @@ def add_lora(model, rank: int, alpha: float, targets: str, adapter: str | Path |
         return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
-        raise ConfigError("--lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
+        raise ConfigError(NO_TARGETS)
     if names != "all-linear":  # peft adapts what matches and drops a misspelt name without a word
         modules = [n for n, _ in model.named_modules()]
         missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]

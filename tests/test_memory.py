@@ -503,6 +503,7 @@ def make_rollout(ids):
     ({"optimizer": "adam8"}, "unknown --optimizer 'adam8'"),
     ({"lora_rank": -1}, "lora_rank must be >= 0"),
     ({"lora_rank": 8, "ref_offload": True}, "no separate reference to offload"),
+    ({"lora_rank": 8, "lora_targets": " , "}, r"--lora_targets is empty: name modules \(e.g. q_proj,v_proj\)"),
 ])
 def test_bad_lever_settings_are_config_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
