@@ -257,6 +257,23 @@ def dense(encoder_dir):
     return DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), batch_size=3, max_length=48)
 
 
+def test_the_retrievers_called_from_code_refuse_what_they_cannot_do(encoder_dir, tmp_path):
+    """The commands check these first; code that builds a retriever itself gets a message naming what
+    is wrong (without each raise, test_retrieval and test_retrieval_scale passed)."""
+    encoder = str(encoder_dir / "tiny-bert")
+    with pytest.raises(ValueError, match="retriever kind 'bm25' needs a corpus"):
+        build_retriever("bm25", None)
+    with pytest.raises(ValueError, match="DenseRetriever needs at least one passage"):
+        DenseRetriever([], encoder)
+    with pytest.raises(FileNotFoundError, match=f"no FAISS index file at {re.escape(str(tmp_path / 'e5.index'))}"):
+        DenseRetriever(CORPUS, encoder, index=str(tmp_path / "e5.index"))
+    with pytest.raises(ValueError, match="unknown pooling 'max'; valid: 'mean', 'cls'"):
+        TextEncoder(encoder, pooling="max")
+    with pytest.raises(ValueError, match="only the 'bm25s' backend saves an index"):
+        BM25Retriever(CORPUS, backend="rank_bm25").save(tmp_path / "index")
+    assert not (tmp_path / "index").exists()
+
+
 def test_dense_gold_first(dense):
     out = dense.search([q for q, _ in DENSE_QUERIES], k=3)
     for (q, gold), hits in zip(DENSE_QUERIES, out):
