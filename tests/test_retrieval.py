@@ -478,6 +478,9 @@ def test_http_client_accepts_bare_documents(server):
     server.wrap = False
     [hits] = HTTPRetriever(_url(server)).search(["what causes ocean tides"], k=2)
     assert [(h.id, h.title, h.score) for h in hits][0] == ("v8", "Tides", 0.0)
+    # title and text fields in place of Search-R1's contents: each read as it is
+    server.reply = {"result": [[{"document": {"id": "7", "title": "Paris", "text": "The capital."}, "score": 2.0}]]}
+    assert HTTPRetriever(_url(server)).search(["q"], k=1) == [[Hit("7", "Paris", "The capital.", 2.0)]]
 
 
 @pytest.mark.parametrize("result, message", [
