@@ -263,6 +263,8 @@ def test_the_retrievers_called_from_code_refuse_what_they_cannot_do(encoder_dir,
     encoder = str(encoder_dir / "tiny-bert")
     with pytest.raises(ValueError, match="retriever kind 'bm25' needs a corpus"):
         build_retriever("bm25", None)
+    with pytest.raises(ValueError, match=r"retriever kind 'dense' needs encoder= \(or index= a saved folder\)"):
+        build_retriever("dense", CORPUS)
     with pytest.raises(ValueError, match="DenseRetriever needs at least one passage"):
         DenseRetriever([], encoder)
     with pytest.raises(FileNotFoundError, match=f"no FAISS index file at {re.escape(str(tmp_path / 'e5.index'))}"):
