@@ -47,6 +47,11 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 NO_TARGETS = "--lora_targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear"
 
 
+def lora_target_names(targets: str) -> list[str]:
+    """--lora_targets as module names: split at commas, blanks dropped."""
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
 def is_adapter(path) -> bool:
     """Whether `path` (a folder, `toy/` paths too) holds a LoRA adapter: a LoRA run's checkpoint."""
     return (Path(resolve_path(str(path))) / "adapter_config.json").is_file()
@@ -61,7 +66,7 @@ def check_levers(cfg) -> None:
                           "(pip install -e '.[bnb]')")
     if cfg.lora_rank < 0:
         raise ConfigError(f"--lora_rank must be >= 0 (0 = no LoRA), got {cfg.lora_rank}")
-    if cfg.lora_rank and not cfg.lora_targets.replace(",", "").strip():
+    if cfg.lora_rank and not lora_target_names(cfg.lora_targets):
         raise ConfigError(NO_TARGETS)
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora_rank needs peft: pip install peft (pip install -e '.[lora]')")
@@ -72,7 +77,7 @@ def check_levers(cfg) -> None:
     if cfg.lora_rank and cfg.ref_offload:
         raise ConfigError("--ref_offload with --lora_rank: the LoRA reference is the policy itself with its "
                           "adapters disabled, there is no separate reference to offload; drop one of the two")
-    shared = [t for t in map(str.strip, cfg.lora_targets.split(",")) if t.endswith(("embed_tokens", "lm_head"))]
+    shared = [t for t in lora_target_names(cfg.lora_targets) if t.endswith(("embed_tokens", "lm_head"))]
     if cfg.lora_rank and cfg.sampler == "vllm" and shared and ties_embeddings(cfg.model):
         raise ConfigError(f"--lora_targets {cfg.lora_targets} with --sampler vllm: {cfg.model} ties its embeddings and "
                           f"LM head, which vLLM holds as one matrix, and a LoRA on {', '.join(shared)} makes them "
@@ -181,7 +186,7 @@ def add_lora(model, rank: int, alpha: float, targets: str, adapter: str | Path |
         if saved.get("r") != rank:
             raise ConfigError(f"{adapter}: the saved adapter has rank {saved.get('r')}, --lora_rank is {rank}")
         return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    names = targets if targets == "all-linear" else lora_target_names(targets)
     if not names:
         raise ConfigError(NO_TARGETS)
     if names != "all-linear":  # peft adapts what matches and drops a misspelt name without a word
