@@ -39,7 +39,7 @@ from searchlite.config import (ConfigError, check_config, format_config, parse_a
 from searchlite.data import DataError, json_line, read_log, read_qa, write_jsonl
 from searchlite.evaluation import score_qa, summarize
 from searchlite.losses import aggregate, kl_penalty, masked_entropy, policy_loss, value_loss
-from searchlite.memory import LoRAReference, add_lora, check_levers, on_device
+from searchlite.memory import LoRAReference, add_lora, check_levers, lora_target_names, on_device
 from searchlite.model_spec import weights_digest
 from searchlite.models import (Critic, GracefulStop, find_checkpoint, frozen_copy, interrupted_status, load_policy,
                                load_trainer_state, lock_run, make_optimizer, model_tokenizer, pick_device,
@@ -171,7 +171,7 @@ def check_resume(cfg, digest: dict | None = None) -> list[str]:
     if "master_weights" not in saved and saved.get("dtype") != "float32":  # saved before the field: bf16 weights
         saved = {**saved, "master_weights": False}  # so a resume names the change (twice the weight memory)
     keys = RESUME_FIXED + RESUME_FIXED_PPO * (cfg.algo == "ppo") + RESUME_FIXED_LORA * bool(cfg.lora_rank)
-    norm = lambda k, v: sorted(t.strip() for t in v.split(",")) if k == "lora_targets" else v  # noqa: E731
+    norm = lambda k, v: sorted(lora_target_names(v)) if k == "lora_targets" else v  # noqa: E731
     changed = [f"{k} = {saved[k]!r}, this run has {getattr(cfg, k)!r}" for k in keys
                if k in saved and norm(k, saved[k]) != norm(k, getattr(cfg, k))]
     if changed:

@@ -1523,7 +1523,8 @@ def test_value_clip_eps_bounds_the_critics_move(tiny_llama, byte_tokenizer):
 def test_resume_refuses_every_setting_the_checkpoint_keeps(tmp_path, monkeypatch):
     """check_resume against a checkpoint's saved config (stood in for here): --seed (the data order),
     --warmup_steps and --weight_decay (the restored schedule and optimizer) and, with LoRA, the adapter's
-    rank, alpha and targets may not change on --resume; targets listed in another order are no change."""
+    rank, alpha and targets may not change on --resume; targets listed in another order, or with a stray
+    comma, are no change."""
     from searchlite.config import ConfigError, parse_args, to_dict
 
     base = ["--preset", "none", "--resume", "--out_dir", str(tmp_path / "run"), "--lora_rank", "8",
@@ -1534,6 +1535,7 @@ def test_resume_refuses_every_setting_the_checkpoint_keeps(tmp_path, monkeypatch
     monkeypatch.setattr(train, "find_checkpoint", lambda out: tmp_path / "run" / "checkpoint")
     monkeypatch.setattr(train, "load_trainer_state", lambda ckpt, mmap=False: {"config": saved})
     assert train.check_resume(parse_args(base + ["--lora_targets", "v_proj, q_proj"])) == []
+    assert train.check_resume(parse_args(base + ["--lora_targets", "q_proj,v_proj,"])) == []
     for flag, value in (("seed", "1"), ("warmup_steps", "5"), ("weight_decay", "0.1"), ("lora_rank", "4"),
                         ("lora_alpha", "16"), ("lora_targets", "q_proj")):
         with pytest.raises(ConfigError, match=rf"was trained with {flag} = .*, this run has"):
