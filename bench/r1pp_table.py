@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ["full", "nogroup", "nomem", "neither", "baseline"]
@@ -35,11 +36,16 @@ def locate(path: str) -> Path:
     return Path(path) if Path(path).exists() else ROOT / path
 
 
+def fail(message: str) -> NoReturn:
+    """Stop with a one-line error (exit status 2), before any table."""
+    print(f"r1pp_table: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def need(path: Path, hint: str) -> Path:
-    """`path`, or a one-line error naming it (exit status 2)."""
+    """`path`, or a one-line error naming it."""
     if not path.is_file():
-        print(f"r1pp_table: no {path} ({hint})", file=sys.stderr)
-        sys.exit(2)
+        fail(f"no {path} ({hint})")
     return path
 
 
@@ -50,9 +56,8 @@ def check_questions(runs: list[Path], test: Path) -> None:
     questions = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines() if line.strip()]
     lacking = next((q for q in questions if not {"id", "hops", "famous"} <= q.keys()), None)
     if lacking is not None:
-        print(f"r1pp_table: {test}: question {lacking.get('id', '(no id)')!r} has no 'hops' or 'famous' field: "
-              "the tables of hops read the toy world's questions (--data)", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{test}: question {lacking.get('id', '(no id)')!r} has no 'hops' or 'famous' field: the tables of "
+             "hops read the toy world's questions (--data)")
     ids = {q["id"] for q in questions}
     for run in runs:
         files = sorted((run / "eval").glob("step_*.jsonl"))
@@ -60,23 +65,22 @@ def check_questions(runs: list[Path], test: Path) -> None:
             other = next((r["id"] for r in map(json.loads, f.read_text(encoding="utf-8").splitlines())
                           if r["id"] not in ids), None)
             if other is not None:
-                print(f"r1pp_table: {f}: question {other!r} is not in {test}: the run was evaluated on other "
-                      "questions (its --test_data); --data names the folder of the toy world's files it used",
-                      file=sys.stderr)
-                sys.exit(2)
+                fail(f"{f}: question {other!r} is not in {test}: the run was evaluated on other questions (its "
+                     "--test_data); --data names the folder of the toy world's files it used")
 
 
 def run_summary(path: Path) -> tuple[dict, dict, int, int]:
-    """(first eval row, last eval row, rewrites kept, rewrites tried) of a run's metrics.jsonl."""
+    """(first eval row, last eval row, rewrites kept, rewrites tried) of a run's metrics.jsonl; a
+    damaged line, or no evaluation yet, is a one-line error."""
     from searchlite.data import DataError, read_log
 
     try:
         rows = read_log(path, cut=False)  # a run still going: its half-written last line is left out
     except DataError as e:
-        raise SystemExit(f"r1pp_table: {e}") from None
+        fail(str(e))
     evals = [r for r in rows if "eval/all" in r]
     if not evals:
-        raise SystemExit(f"{path}: no evaluation row yet")
+        fail(f"{path}: no evaluation row yet")
     return evals[0], evals[-1], sum(r.get("mem_kept", 0) for r in rows), sum(r.get("mem_tried", 0) for r in rows)
 
 
@@ -182,11 +186,11 @@ def main() -> None:
     for name in ("test.jsonl", "train.jsonl"):
         need(data / name, "--data names a folder with test.jsonl and train.jsonl")
     check_questions(runs, data / "test.jsonl")
+    summaries = [run_summary(run / "metrics.jsonl") for run in runs]
 
     print("| run | step | test EM | RC | " + " | ".join(f"{t} EM / RC" for t in TYPES) + " | L_M rewrites kept |")
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
-    for i, run in enumerate(runs):
-        first, last, kept, tried = run_summary(run / "metrics.jsonl")
+    for i, (run, (first, last, kept, tried)) in enumerate(zip(runs, summaries)):
         rewrites = f"{kept:,} of {tried:,}" if tried else "(off)"
         rows = [(f"{run.name} at its start", first, "—")] if i == 0 else []  # (stage 1, for the ablation's runs)
         for name, ev, mem in rows + [(run.name, last, rewrites)]:

@@ -154,6 +154,26 @@ def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, wo
         "read the toy world's questions (--data)\n")
 
 
+def test_a_run_without_an_evaluation_or_with_a_damaged_line_is_a_one_line_error_before_any_table(
+        table, world, monkeypatch, tmp_path, capsys):
+    """The second run's metrics name no evaluation, then hold a damaged line before its last: each is a
+    one-line error naming the file (was: the first table's header and first run printed, then an
+    IndexError or UnboundLocalError traceback without the raise, and an exit status of 1 with it)."""
+    first = make_run(tmp_path)
+    second = tmp_path / "second"
+    second.mkdir()
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(first), str(second), "--data", str(tmp_path)])
+    ev = json.dumps({"step": 0, "eval/all": {"em": 0.5, "searches": 1.0}})
+    for text, error in ((json.dumps({"step": 1, "reward": 0.5}) + "\n", ": no evaluation row yet\n"),
+                        (ev + '\n{"step": 1, "rew\n' + ev + "\n", ":2: bad JSON")):
+        (second / "metrics.jsonl").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            table.main()
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"r1pp_table: {second / 'metrics.jsonl'}{error}"), err
+
+
 def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, monkeypatch, tmp_path, capsys):
     """A half-written last line (train.py appending) was a JSONDecodeError traceback, and an
     evaluation without a question type (a small --eval_size) a KeyError."""
