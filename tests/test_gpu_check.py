@@ -236,6 +236,18 @@ def test_random_qwen_suppresses_exactly_the_ids_without_text(gpu_check):
     assert same.generation_config.suppress_tokens == []  # a vocabulary the tokenizer's size: nothing to suppress
 
 
+def test_random_qwen_is_built_in_its_dtype_and_refuses_a_vocabulary_short_of_the_tokenizer(gpu_check):
+    """Weights in the dtype asked (the --bf16_weights path), torch's default dtype as it was after, and a
+    vocabulary smaller than the tokenizer's refused by name (the tokenizer's last ids would index past the
+    embedding)."""
+    tok = load_tokenizer(str(TOY_DIR))
+    model = gpu_check.random_qwen(gpu_check.TINY, tok, torch.bfloat16, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    with pytest.raises(ValueError, match=rf"^model vocabulary {len(tok) - 1} is smaller than the tokenizer's "
+                                         rf"{len(tok)}$"):
+        gpu_check.random_qwen({**gpu_check.TINY, "vocab_size": len(tok) - 1}, tok, torch.float32, torch.device("cpu"))
+
+
 def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
     """Its model card: 3.09B parameters, 2.77B of them not embeddings (tied: one matrix for both ends);
     exactly, its checkpoint's model.safetensors.index.json: total_size 6,171,877,376 bytes of bf16."""
