@@ -52,6 +52,16 @@ def test_retrieval_bench_child_runs_its_script_as_main_from_the_repo_root(retrie
     assert retrieval_bench.run_measured([sys.executable, str(script)])[3] == f"{retrieval_bench.ROOT}\n"
 
 
+def test_retrieval_bench_child_gives_its_script_its_own_arguments_and_folder(retrieval_bench, tmp_path):
+    """As `python SCRIPT ARGS` would: sys.argv is the script and its arguments (not the bench's --_measure
+    call), and a module beside the script imports (retrieve.py imports searchlite from the repo root)."""
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nimport helper\nprint(sys.argv, helper.X)\n")
+    (tmp_path / "helper.py").write_text("X = 7\n")
+    out = retrieval_bench.run_measured([sys.executable, str(script), "--topk", "3"])[3]
+    assert out == f"{[str(script), '--topk', '3']} 7\n"
+
+
 def test_retrieval_bench_dense_index_folder_names_faiss_and_encoder(retrieval_bench, tmp_path):
     corpus = tmp_path / "wiki.jsonl"
     folder = lambda kind, enc, faiss: retrieval_bench.index_folder(tmp_path, corpus, kind, enc, faiss)  # noqa: E731
