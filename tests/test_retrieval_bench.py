@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -245,16 +246,17 @@ def test_retrieval_bench_search_phase_speed_cpu_ms_and_recall(retrieval_bench, m
 @pytest.fixture
 def fake_server(retrieval_bench, monkeypatch):
     """serve_phase with no server: Popen, /health and HTTPRetriever stubbed, time on a Clock; 7 questions.
-    `state.health_failures` /health calls fail first; a search takes `state.latency(n)` s (n: calls so far)."""
+    `state.health_failures` /health calls fail first; a search takes `state.latency(n)` s (n: calls so far)
+    on the clock, and `state.pause` s of real time; the server's poll() gives `state.exit_code`."""
     state = SimpleNamespace(popen=[], terminated=False, health_failures=0, health_calls=0, asked=[],
-                            latency=lambda n: 0.001, fail_at=None, clock=Clock())
+                            latency=lambda n: 0.001, fail_at=None, clock=Clock(), pause=0.0, exit_code=None)
 
     class Server:
         def __init__(self, cmd, **kw):
             state.popen.append((cmd, kw.get("cwd")))
 
         def poll(self):
-            return None
+            return state.exit_code
 
         def terminate(self):
             state.terminated = True
@@ -273,6 +275,7 @@ def fake_server(retrieval_bench, monkeypatch):
             pass
 
         def search(self, queries, k):
+            time.sleep(state.pause)
             n = len(state.asked)
             state.asked.extend(queries)
             state.clock.now += state.latency(n)
@@ -307,8 +310,20 @@ def test_retrieval_bench_serve_phase_with_one_answer_has_no_percentiles(retrieva
 
 
 def test_retrieval_bench_serve_clients_ask_different_questions(retrieval_bench, fake_server):
-    retrieval_bench.serve_phase("idx", "qa.jsonl", 8731, clients=3, requests=3)
+    """Each client's requests are all in when it returns: they take real time (without the join, fewer)."""
+    fake_server.pause = 0.02
+    v = retrieval_bench.serve_phase("idx", "qa.jsonl", 8731, clients=3, requests=3)
     assert sorted(fake_server.asked) == ["q0", "q0", "q1", "q1", "q2", "q3", "q4", "q5", "q6"]  # 9 asks of 7
+    assert v["rps"] == pytest.approx(9 / 0.009)  # 9 answers in the 9 ms the clock moved (1 ms a search)
+
+
+def test_retrieval_bench_stops_when_its_server_exited_and_another_answers_its_port(retrieval_bench, fake_server):
+    """/health answers while the bench's own server has exited (a server started on the port after the free
+    check): it stops there, naming the port, not measuring that process's server (without the check, it did)."""
+    fake_server.exit_code = 1
+    with pytest.raises(SystemExit, match=r"^bench: the server exited, and another process answers on port 8731:"):
+        retrieval_bench.serve_phase("idx", "qa.jsonl", 8731)
+    assert fake_server.asked == [] and fake_server.terminated
 
 
 def test_retrieval_bench_gives_up_on_a_server_silent_for_300_s(retrieval_bench, fake_server):
