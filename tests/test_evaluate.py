@@ -1234,6 +1234,26 @@ def test_judge_scores_records(judge_server, monkeypatch):
     assert auth == "Bearer sk-test"
 
 
+def test_the_judge_has_at_most_its_workers_requests_in_flight(judge_server, monkeypatch):
+    """8 records, 2 workers, each request 0.1 s: 2 at a time, as a rate-limited endpoint needs (without
+    max_workers, test_evaluate passed: the pool's default, the cores + 4, let more in)."""
+    lock, in_flight, most = threading.Lock(), [0], [0]
+
+    def slow(prompt):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.1)
+        with lock:
+            in_flight[0] -= 1
+        return False  # then answered as usual
+
+    monkeypatch.setattr(JudgeHandler, "fail", staticmethod(slow))
+    recs = [{"question": f"q{i}", "golden_answers": ["Rome"], "prediction": "rome"} for i in range(8)]
+    Judge(judge_server, "m", workers=2).score(recs)
+    assert [r["judge"] for r in recs] == [1.0] * 8 and most[0] == 2
+
+
 @pytest.mark.parametrize("status", [400, 413, 422])  # bad request, payload too large, unprocessable
 def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judged(judge_server, monkeypatch,
                                                                                    tmp_path, capsys, status):
