@@ -62,6 +62,17 @@ def test_the_command_prompts_the_toy_model_with_the_toy_template(tmp_path):
     assert page.count(html.escape(toy)) == 2 and html.escape(paper) not in page
 
 
+def test_the_command_renders_eight_questions_unless_told(tmp_path):
+    """--n's default, as its help says (without it, every question of the set was rolled out)."""
+    from searchlite.protocol import TEMPLATE_DIR
+    from searchlite.view import main
+
+    out = tmp_path / "view.html"
+    main(["--max_turns", "0", "--max_new_tokens", "1", "--out", str(out)])
+    toy = (TEMPLATE_DIR / "toy_search_r1.txt").read_text().split("{question}")[0]
+    assert out.read_text().count(html.escape(toy)) == 8
+
+
 def test_the_command_samples_as_the_run_did(tmp_path, monkeypatch):
     """The toy warm start is sampled as the [toy] preset samples it (0.7, 64 tokens a turn), a
     train.py run as its config.json says, any other model at 1.0 and 500, and the flags win."""
