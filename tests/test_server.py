@@ -149,11 +149,16 @@ def test_health_of_a_retriever_without_a_passage_count_says_null():
 def test_the_served_schema_gives_every_error_code_the_one_line_detail_body():
     """/openapi.json lists each code POST /retrieve answers with (400 a body not UTF-8, 411 no
     Content-Length, 413 too large, 422 invalid, 500 search failed), each as {"detail": string}:
-    a client built from the schema expects that, not FastAPI's default 422 list of objects."""
+    a client built from the schema expects that, not FastAPI's default 422 list of objects. A 200
+    is a RetrieveResponse, and /health's a Health (without response_model, the schema said nothing
+    of either)."""
     with TestClient(make_app(NoHits())) as client:
         schema = client.get("/openapi.json").json()
     responses = schema["paths"]["/retrieve"]["post"]["responses"]
     assert sorted(responses) == ["200", "400", "411", "413", "422", "500"]
+    ok = lambda r: r["200"]["content"]["application/json"]["schema"]  # noqa: E731
+    assert ok(responses) == {"$ref": "#/components/schemas/RetrieveResponse"}
+    assert ok(schema["paths"]["/health"]["get"]["responses"]) == {"$ref": "#/components/schemas/Health"}
     for code in ("400", "411", "413", "422", "500"):
         body = responses[code]["content"]["application/json"]["schema"]
         assert body == {"$ref": "#/components/schemas/ErrorResponse"}, code
