@@ -248,6 +248,22 @@ def test_random_qwen_is_built_in_its_dtype_and_refuses_a_vocabulary_short_of_the
         gpu_check.random_qwen({**gpu_check.TINY, "vocab_size": len(tok) - 1}, tok, torch.float32, torch.device("cpu"))
 
 
+def test_a_sampler_that_ignores_suppress_tokens_stops_the_check(gpu_check, monkeypatch):
+    """Ids past the tokenizer's (the random Qwen's vocabulary is larger) are refused after the rollout, by
+    name (without the raise, test_gpu_check passed, and the step went on with ids that have no text)."""
+    real = gpu_check.random_qwen
+
+    def unsuppressed(*args):
+        model = real(*args)
+        model.generation_config.suppress_tokens = None
+        return model
+
+    monkeypatch.setattr(gpu_check, "random_qwen", unsuppressed)
+    with pytest.raises(RuntimeError, match="^the sampler produced ids the tokenizer does not have: suppress_tokens "
+                                           "was ignored$"):
+        gpu_check.main(["--tiny"])
+
+
 def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
     """Its model card: 3.09B parameters, 2.77B of them not embeddings (tied: one matrix for both ends);
     exactly, its checkpoint's model.safetensors.index.json: total_size 6,171,877,376 bytes of bf16."""
