@@ -156,9 +156,10 @@ def test_a_run_on_other_questions_is_a_one_line_error_before_any_table(table, wo
 
 def test_a_run_without_an_evaluation_or_with_a_damaged_line_is_a_one_line_error_before_any_table(
         table, world, monkeypatch, tmp_path, capsys):
-    """The second run's metrics name no evaluation, then hold a damaged line before its last: each is a
-    one-line error naming the file (was: the first table's header and first run printed, then an
-    IndexError or UnboundLocalError traceback without the raise, and an exit status of 1 with it)."""
+    """The second run's metrics hold no evaluation, then a damaged line before their last: each is a
+    one-line error naming the file, exit status 2, before any table (the first table's header and the
+    first run's row came first, and the status was 1; without the checks, an IndexError or an
+    UnboundLocalError traceback)."""
     first = make_run(tmp_path)
     second = tmp_path / "second"
     second.mkdir()
