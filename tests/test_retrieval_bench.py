@@ -247,13 +247,17 @@ def test_retrieval_bench_search_phase_speed_cpu_ms_and_recall(retrieval_bench, m
 def fake_server(retrieval_bench, monkeypatch):
     """serve_phase with no server: Popen, /health and HTTPRetriever stubbed, time on a Clock; 7 questions.
     `state.health_failures` /health calls fail first; a search takes `state.latency(n)` s (n: calls so far)
-    on the clock, and `state.pause` s of real time; the server's poll() gives `state.exit_code`."""
+    on the clock, and `state.pause` s of real time; the server's poll() gives `state.exit_code`, and it
+    writes `state.stderr` (bytes) to its stderr; `state.stdout` is where its stdout went."""
     state = SimpleNamespace(popen=[], terminated=False, health_failures=0, health_calls=0, asked=[],
-                            latency=lambda n: 0.001, fail_at=None, clock=Clock(), pause=0.0, exit_code=None)
+                            latency=lambda n: 0.001, fail_at=None, clock=Clock(), pause=0.0, exit_code=None,
+                            stderr=b"", stdout=None)
 
     class Server:
         def __init__(self, cmd, **kw):
             state.popen.append((cmd, kw.get("cwd")))
+            state.stdout = kw.get("stdout")
+            kw["stderr"].write(state.stderr)
 
         def poll(self):
             return state.exit_code
@@ -300,6 +304,7 @@ def test_retrieval_bench_serve_phase_latency_percentiles_rps_and_errors(retrieva
     assert fake_server.popen == [([retrieval_bench.PY, "retrieve.py", "serve", "--index", "idx", "--port", "8731"],
                                   retrieval_bench.ROOT)]
     assert fake_server.terminated and fake_server.health_calls == 1001
+    assert fake_server.stdout == retrieval_bench.subprocess.DEVNULL  # its "serving http:..." line: not in the report
     assert v == pytest.approx(dict(p50_ms=50.5, p99_ms=99.01, rps=100 / 5.055, errors=1,
                                    first_error="KeyError: 'passages'"))
 
@@ -324,6 +329,15 @@ def test_retrieval_bench_stops_when_its_server_exited_and_another_answers_its_po
     with pytest.raises(SystemExit, match=r"^bench: the server exited, and another process answers on port 8731:"):
         retrieval_bench.serve_phase("idx", "qa.jsonl", 8731)
     assert fake_server.asked == [] and fake_server.terminated
+
+
+def test_retrieval_bench_shows_a_server_log_that_is_not_utf8(retrieval_bench, fake_server):
+    """The server's last lines are shown with an undecodable byte replaced: not a UnicodeDecodeError."""
+    fake_server.exit_code, fake_server.health_failures = 1, 1
+    fake_server.stderr = b"loading index\nno such file: /data/caf\xe9/index\n"  # a Latin-1 path
+    with pytest.raises(SystemExit, match="^bench: the server exited at start:\n  loading index\n"
+                                         "  no such file: /data/caf\ufffd/index$"):
+        retrieval_bench.serve_phase("idx", "qa.jsonl", 8731)
 
 
 def test_retrieval_bench_gives_up_on_a_server_silent_for_300_s(retrieval_bench, fake_server):
@@ -396,6 +410,12 @@ def test_retrieval_bench_dense_build_names_encoder_and_faiss_and_no_serve_skips_
     measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--kinds", "dense",
                                       "--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw", "--no_serve")
     assert measured[0][0][-4:] == ["--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw"] and served == []
+
+
+def test_retrieval_bench_port_given_is_a_number(retrieval_main):
+    """serve_phase binds the port to check it is free: a string there was a TypeError."""
+    _, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--port", "9000")
+    assert served[0][2] == 9000  # not "9000"
 
 
 def test_retrieval_bench_dense_default_faiss_is_flat(retrieval_main):
