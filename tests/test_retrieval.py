@@ -614,6 +614,25 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
 
 
 
+def test_config_retriever_gives_a_silent_server_one_wait_of_10_s(monkeypatch):
+    """A server that takes the request and never answers is named after 10 s, as check_server says: with
+    the client's own defaults (30 s, retried three times, each wait twice the last) a run waited 7.5 minutes."""
+    from types import SimpleNamespace
+
+    from searchlite.config import ConfigError
+
+    def urlopen(req, timeout):
+        waits.append(timeout)
+        raise TimeoutError("timed out")
+
+    waits = []
+    monkeypatch.setattr("urllib.request.urlopen", urlopen)
+    cfg = SimpleNamespace(retriever="http", retriever_url="http://127.0.0.1:9", topk=3)
+    with pytest.raises(ConfigError, match=r"failed after 1 attempt\(s\): no answer within 10s"):
+        config_retriever(cfg)
+    assert waits == [10]
+
+
 def test_config_retriever_builds_a_dense_retriever_with_the_runs_pooling(tmp_path, encoder_dir):
     """train.py's --pooling cls reaches the encoder (dropped from config_retriever, the run encoded
     with mean pooling and passed test_retrieval, test_retrieval_scale, test_retrieve and test_server)."""
