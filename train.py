@@ -309,7 +309,7 @@ def main(argv=None) -> None:
 def train(argv, held: contextlib.ExitStack) -> None:
     # ------------------------------------------------------------------ config
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, about=__doc__.split("\n\n")[0])
         check_config(cfg)  # choices, counts, files and prompts, before anything is loaded
         check_levers(cfg)  # optimizer, LoRA and offload settings that cannot work (searchlite/memory.py)
         model_digest = weights_digest(cfg.model)  # the starting model's weights, kept in each checkpoint

@@ -280,15 +280,15 @@ def load_preset(name: str, path: Path = DEFAULT_PRESETS) -> dict:
 
 def parse_args(argv: list[str] | None = None, presets: Path = DEFAULT_PRESETS, prog: str = "train.py",
                default_preset: str = DEFAULT_PRESET, reads: tuple[str, ...] = (),
-               helps: dict[str, str] | None = None) -> Config:
+               helps: dict[str, str] | None = None, about: str = "") -> Config:
     """Build a Config from `--preset NAME` and `--field value` flags (see module docstring);
     `default_preset` is applied when no --preset is given (and the file has it). `reads`, when
     given, are the only fields the program uses: --help lists those, and a flag for another is
     refused rather than silently ignored. `helps` replaces fields' --help texts where the
-    program reads them otherwise than train.py."""
+    program reads them otherwise than train.py; `about`, what the program does, opens --help."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(usage(prog, presets, default_preset, reads, helps))
+        print(usage(prog, presets, default_preset, reads, helps, about))
         raise SystemExit(0)
     pairs, preset = [], None  # preset None = the default one, if the file has it
     i = 0
@@ -649,9 +649,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def usage(prog: str, presets: Path = DEFAULT_PRESETS, default_preset: str = DEFAULT_PRESET,
-          reads: tuple[str, ...] = (), helps: dict[str, str] | None = None) -> str:
+          reads: tuple[str, ...] = (), helps: dict[str, str] | None = None, about: str = "") -> str:
     helps = {**field_help(), **(helps or {})}
-    lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""]
+    lines = [f"usage: python {prog} [--preset NAME] [--field value ...]", ""] + ([about, ""] if about else [])
     table = {}  # the default preset's values, shown beside the defaults they replace
     if presets.exists():
         names = read_presets(presets)

@@ -574,7 +574,8 @@ def main(argv=None) -> None:
                  f"`python train.py --preset toy-r1pp`\n\n{USAGE}")
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
-                         reads=STAGE1_FIELDS, helps=STAGE1_HELP)
+                         reads=STAGE1_FIELDS, helps=STAGE1_HELP, about="R1-Searcher++ stage 1, the SFT cold start: "
+                         "rejection sampling, then SFT on the kept trajectories; writes out_dir/model.")
         check_config(cfg, STAGE1_FIELDS)
         check_stage1(cfg)
         stage1(cfg)

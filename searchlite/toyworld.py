@@ -355,6 +355,7 @@ def main(argv=None) -> None:
                                  formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="generate the world and its tokenizer into a folder",
+                       description="Generate the toy world (corpus, questions, train/test split) and its tokenizer.",
                        formatter_class=HelpFormatter)
     b.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same bytes (default 0)")
     b.add_argument("--out", default=None, help="output folder (default: the package's searchlite/assets/"

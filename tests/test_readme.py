@@ -115,6 +115,16 @@ EVERY_COMMAND = ["train.py", "evaluate.py", "retrieve.py build", "retrieve.py qu
 HF_FLAGS = {"--repo-type", "--local-dir", "--include"}  # `hf download`'s, in the 3B walkthrough
 
 
+def test_each_commands_help_says_what_it_does_before_its_flags(monkeypatch, capsys):
+    """Between the usage and the first flag, a sentence: train.py's and stage 1's --help, and merge's and
+    build's, went from the usage line straight to the flags."""
+    for command in EVERY_COMMAND:
+        blocks = help_text(command, monkeypatch, capsys).split("\n\n")
+        said = blocks[1].splitlines()[0]
+        assert blocks[0].startswith("usage:") and len(said.split()) >= 5 and "--" not in said \
+            and not said.endswith(":"), (command, said)
+
+
 def test_each_flag_the_readme_names_anywhere_is_one_of_a_command(monkeypatch, capsys):
     """Flags named in the prose too (`--lora_rank`, `--group_reward false`), each in the --help of
     one of the project's commands, torchrun's or `hf download`'s."""
