@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.r1pp_table import from_memory, hop_kind, searches_needed  # noqa: E402
-from searchlite.config import at_least, bool_arg, resolve_path  # noqa: E402
+from searchlite.config import HelpFormatter, at_least, bool_arg, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 
 
@@ -204,7 +204,7 @@ def cells(got: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--runs", nargs="+", required=True,
                     help="train.py out_dirs (with config.json and a checkpoint; each at the same step)")
     ap.add_argument("--limit", type=at_least(0), default=0, help="at most this many questions a set (0 = all drawn)")

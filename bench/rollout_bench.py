@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from searchlite.config import at_least
+from searchlite.config import HelpFormatter, at_least
 
 REALQA_FILES = ("corpus.jsonl", "hotpotqa_500.jsonl")  # what --realqa's folder must hold
 
@@ -114,7 +114,7 @@ def rollout_efficiency(model_path: str, n: int, repeats: int, seed: int) -> None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--realqa", default=None,
                     help="folder with corpus.jsonl and hotpotqa_500.jsonl (omit it to skip the BM25 part)")
     ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")

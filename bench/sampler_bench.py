@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from searchlite.config import at_least
+from searchlite.config import HelpFormatter, at_least
 
 
 def timed_rollout(sampler, retriever, tok, protocol, questions) -> tuple[int, float, float, float]:
@@ -50,7 +50,7 @@ def timed_generate(sampler, prompts, max_new: int) -> tuple[int, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--model", default="toy/model",
                     help="policy: a folder, a run, a .gguf file or smollm2, as evaluate.py --model (default: the toy warm start)")
     ap.add_argument("--template", default="toy", help="search prompt, as train.py --template (default toy; '' = Search-R1's)")

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
 import train  # noqa: E402
 from searchlite.advantages import broadcast  # noqa: E402
-from searchlite.config import at_least, parse_args, resolve_path  # noqa: E402
+from searchlite.config import HelpFormatter, at_least, parse_args, resolve_path  # noqa: E402
 from searchlite.data import read_qa  # noqa: E402
 from searchlite.models import load_policy, load_tokenizer, trained_logprobs  # noqa: E402
 from searchlite.protocol import get_protocol  # noqa: E402
@@ -48,7 +48,7 @@ def bare_step(policy, opt, ro, size: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--model", default="toy/model", help="policy folder (default: the toy warm start)")
     ap.add_argument("--questions", type=int, default=16, help="questions in the batch (default 16)")
     ap.add_argument("--group", type=int, default=5, help="rollouts per question (default 5)")

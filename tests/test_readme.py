@@ -1,6 +1,7 @@
 """The README's commands against the code: each flag a command line in it passes is one its
 command's --help lists, each preset it names is in configs.toml, each setup.sh option it gives
 is one setup.sh takes. A renamed flag then fails here rather than in a user's first run."""
+import argparse
 import importlib
 import inspect
 import re
@@ -123,6 +124,24 @@ def test_each_commands_help_says_what_it_does_before_its_flags(monkeypatch, caps
         said = blocks[1].splitlines()[0]
         assert blocks[0].startswith("usage:") and len(said.split()) >= 5 and "--" not in said \
             and not said.endswith(":"), (command, said)
+
+
+def test_each_flag_with_a_default_names_it_in_help(monkeypatch, capsys):
+    """A flag that takes a value and has one unless given says which in --help (r1pp_recall's --limit,
+    rollout_bench's and sampler_bench's --seed did not); train.py's and stage 1's list each field's."""
+    parsers, show = [], argparse.ArgumentParser.print_help
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help",
+                        lambda ap, file=None: parsers.append(ap) or show(ap, file))
+    for command in EVERY_COMMAND:
+        help_text(command, monkeypatch, capsys)
+    assert len(parsers) == len(EVERY_COMMAND) - 2  # train.py and stage 1 print config.usage
+    for ap in parsers:
+        for action in ap._actions:
+            default = action.default
+            none = default is None or default is False or default in ("", argparse.SUPPRESS)  # as HelpFormatter
+            if action.option_strings and not none:
+                said = ap._get_formatter()._format_action(action)
+                assert "default" in said, (ap.prog, said)
 
 
 def test_each_flag_the_readme_names_anywhere_is_one_of_a_command(monkeypatch, capsys):
