@@ -1,6 +1,7 @@
 """The README's commands against the code: each flag a command line in it passes is one its
 command's --help lists, each preset it names is in configs.toml, each setup.sh option it gives
-is one setup.sh takes. A renamed flag then fails here rather than in a user's first run."""
+is one setup.sh takes. A renamed flag then fails here rather than in a user's first run. And each
+command's --help itself: it says what the command does, and each flag's default."""
 import argparse
 import importlib
 import inspect
