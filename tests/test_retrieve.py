@@ -330,6 +330,19 @@ def test_flags_a_bm25_index_ignores_are_named_before_the_device_is_checked(bm25_
     assert not (tmp_path / "d").exists()
 
 
+def test_query_of_a_server_prints_the_passages_it_returns(server, capsys):
+    """query --url asks the server once, for --k passages, and prints them as a local index's."""
+    retrieve.main(["query", "--url", _url(server), "--k", "2", "what causes ocean tides"])
+    assert server.requests == [("/retrieve", {"queries": ["what causes ocean tides"], "topk": 2,
+                                              "return_scores": True})]
+    hits = server.index.search(["what causes ocean tides"], 2)[0]
+    assert capsys.readouterr().out.splitlines() == [
+        "query: what causes ocean tides",
+        *[line for rank, h in enumerate(hits, 1) for line in (f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})",
+                                                             f"     {h.text}")]]
+    assert hits[0].id == "v8"
+
+
 def test_query_of_a_server_refuses_the_flags_of_a_local_index(server, corpus_file):
     """query --url searches the server's index with the server's encoder: --corpus, --index, --kind and
     the dense flags are named, not dropped, and the server is not asked; --device cuda is named, not
