@@ -136,7 +136,7 @@ def test_retrieval_bench_synthetic_set_past_one_chunk_has_each_passage_once_in_o
 def test_retrieval_bench_synthetic_set_is_written_again_when_its_qa_is_missing(retrieval_bench, monkeypatch,
                                                                                tmp_path):
     """A run stopped while writing the questions leaves no corpus, so the next run writes both again
-    instead of taking a corpus without its questions."""
+    instead of taking a corpus without its questions; with both there, neither is written again."""
     def interrupted(path, rows):
         raise KeyboardInterrupt
 
@@ -148,6 +148,11 @@ def test_retrieval_bench_synthetic_set_is_written_again_when_its_qa_is_missing(r
     corpus, qa = retrieval_bench.write_synthetic(20, tmp_path)
     qa.unlink()
     assert retrieval_bench.write_synthetic(20, tmp_path) == (corpus, qa) and len(qa.read_text().splitlines()) == 20
+    def written_again(path, rows):
+        raise AssertionError(f"{path} written again")
+
+    monkeypatch.setattr(retrieval_bench, "write_jsonl", written_again)  # both there: taken as they are
+    assert retrieval_bench.write_synthetic(20, tmp_path) == (corpus, qa)
 
 
 def test_retrieval_bench_child_killed_by_a_signal_is_reported(retrieval_bench, tmp_path):
@@ -426,6 +431,17 @@ def test_retrieval_bench_dense_default_faiss_is_flat(retrieval_main):
 def test_retrieval_bench_reuse_builds_when_no_index_is_there(retrieval_main, capsys):
     measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--reuse", "--no_serve")
     assert "build" in measured[0][0] and "not reusing" in capsys.readouterr().out
+
+
+def test_retrieval_bench_reuse_takes_an_index_built_over_this_corpus_unchanged(retrieval_main, tmp_path, capsys):
+    corpus, folder = (tmp_path / "wiki.jsonl").resolve(), tmp_path / "out" / "wiki-bm25"
+    folder.mkdir(parents=True)
+    st = corpus.stat()
+    (folder / "bm25.json").write_text(json.dumps({"corpus": str(corpus), "corpus_bytes": st.st_size,
+                                                  "corpus_mtime_ns": st.st_mtime_ns}))
+    measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--out", "out", "--reuse", "--no_serve")
+    assert [cmd[2] for cmd, _ in measured] == ["--_search"]  # no build
+    assert f"[bm25] reusing {folder.resolve()} (0.0 MiB on disk)\n" in capsys.readouterr().out
 
 
 def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retrieval_main, monkeypatch, tmp_path,
