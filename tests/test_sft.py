@@ -262,6 +262,15 @@ def test_no_rows_are_refused_by_name(byte_tokenizer):
         sft(make_tiny_llama(byte_tokenizer), ids, ids, progress=False)
 
 
+def test_sft_without_an_attention_mask_attends_to_every_token(byte_tokenizer):
+    """As the module docstring calls it: no attention_mask is a mask of ones, the same losses."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])  # (2, 5)
+    lm = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])  # (2, 5)
+    run = dict(epochs=2, lr=1e-3, batch_size=2, warmup=0, progress=False)
+    without = sft(make_tiny_llama(byte_tokenizer), ids, lm, **run)
+    assert without == sft(make_tiny_llama(byte_tokenizer), ids, lm, attention_mask=torch.ones_like(ids), **run)
+
+
 def test_sft_loss_over_no_trained_token_is_zero_with_a_zero_gradient(byte_tokenizer):
     """memorization_backward's padding passes (a rank with fewer rewrites, under torchrun) have
     loss_mask 0 everywhere: their loss must be 0 and their gradient 0, not NaN."""
