@@ -126,6 +126,7 @@ def test_a_flag_is_not_the_value_of_the_flag_before_it(presets):
     ("--grop", "did you mean 'group'?"),  # a misspelling: difflib
     ("--temprature", "did you mean 'temperature'?"),
     ("--config", "no flag is close to it (python train.py --help lists them)"),  # was 'pooling'
+    ("--", "no flag is close to it (python train.py --help lists them)"),  # no name: every flag starts with it
 ])
 def test_an_unknown_flag_is_named_with_the_close_ones_or_none(presets, flag, hint):
     with pytest.raises(ConfigError) as e:
