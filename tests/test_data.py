@@ -208,6 +208,16 @@ def test_an_unpaired_surrogate_escape_names_line_and_field(tmp_path):
             read(c)
 
 
+def test_a_line_with_an_escaped_pair_reads_whatever_its_other_values_are(tmp_path):
+    """An escaped pair sends the line through the surrogate check, which walks every value: numbers,
+    true and null are no text to check, not an error (FlashRAG lines carry such metadata)."""
+    line = ('{"id": 7, "question": "smile \\ud83d\\ude00", "golden_answers": ["x"], '
+            '"metadata": {"level": 2, "hard": true, "source": null, "weight": 0.5}}')
+    qa = read_qa(_write_lines(tmp_path / "q.jsonl", [line]))
+    assert [(q.id, q.question) for q in qa] == [("7", "smile \U0001f600")]
+    assert qa[0].meta == {"metadata": {"level": 2, "hard": True, "source": None, "weight": 0.5}}
+
+
 def test_a_surrogate_in_a_field_name_or_at_the_range_ends_is_named(tmp_path):
     """Field names are checked too, and both ends of the surrogate range (U+D800, U+DFFF) count."""
     for line, where, ch in [('{"id": "1", "q\\ud800": 1, "question": "q?", "golden_answers": ["x"]}',
