@@ -85,6 +85,8 @@ def test_errors_name_key_and_closest(presets):
         parse_args(["--grop", "5"], presets)
     with pytest.raises(ConfigError, match=r"'group' expects int, got 'five'"):
         parse_args(["--group", "five"], presets)
+    with pytest.raises(ConfigError, match=r"^command line: 'lr' expects float, got 'abc'$"):
+        parse_args(["--lr", "abc"], presets)
     with pytest.raises(ConfigError, match=r"\[badkey\]: unknown key 'grop'; did you mean 'group'"):
         parse_args(["--preset", "badkey"], presets)
     with pytest.raises(ConfigError, match=r"\[badtype\]: 'group' expects int"):
@@ -114,6 +116,20 @@ def test_a_flag_is_not_the_value_of_the_flag_before_it(presets):
     assert parse_args(["--out_dir=--resume"], presets).out_dir == "--resume"  # asked for with '='
     cfg = parse_args(["--out_dir", "", "--resume"], presets)  # RUN empty but quoted: the default folder
     assert (cfg.out_dir, cfg.resume) == (f"runs/none-{Config().algo}", True)
+
+
+@pytest.mark.parametrize("line, said", [
+    ('lr = "abc"', "'lr' expects float, got 'abc'"),  # text that is no number
+    ("lr = true", "'lr' expects float, got True"),  # a bool is an int to Python, not a learning rate
+    ("lr = [1]", "'lr' expects float, got [1]"),  # neither a number nor text
+    ("model = 5", "'model' expects str, got 5"),  # a number where text is expected
+])
+def test_a_preset_value_of_another_type_is_named_with_its_preset(tmp_path, line, said):
+    presets = tmp_path / "p.toml"
+    presets.write_text(f"[p]\n{line}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--preset", "p"], presets)
+    assert str(e.value) == f"{presets} [p]: {said}"
 
 
 @pytest.mark.parametrize("flag, hint", [
