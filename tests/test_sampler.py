@@ -76,6 +76,22 @@ def test_a_row_that_samples_eos_ends_there_while_its_batch_goes_on(pad_is_eos):
     assert outs == [free[0][:end + 1], free[1]]
 
 
+def test_the_generation_configs_eos_may_be_a_list_or_none(byte_tokenizer):
+    """Qwen2.5-Instruct's generation config names two EOS ids, and a config built from scratch may name
+    none: each id of a list ends a row, and with none the tokenizer's EOS alone does."""
+    tok = byte_tokenizer
+    model = make_tiny_llama(tok, seed=5)
+    prompts = long_and_short(tok)
+    free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts)
+    assert [len(o) for o in free] == [12, 12]  # no EOS sampled
+    end = next(i for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+    model.generation_config.eos_token_id = [tok.eos_token_id, free[0][end]]
+    assert HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts) == [free[0][:end + 1], free[1]]
+    model.generation_config.eos_token_id = None
+    sampler = HFSampler(model, tok, max_new_tokens=12, seed=3)
+    assert sampler.eos_ids == [tok.eos_token_id] and sampler.generate(prompts) == free
+
+
 def test_a_tokenizer_without_a_pad_token_pads_with_the_models_eos():
     """A tokenizer handed to HFSampler as it is (not through load_tokenizer) may have no pad token:
     the short row is padded with the EOS, masked out, and samples what it does with a pad token."""
