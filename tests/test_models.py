@@ -119,6 +119,15 @@ def test_a_critic_with_master_weights_holds_float32_and_computes_in_the_dtype_as
     assert getattr(plain, "searchlite_compute_dtype", None) is None
 
 
+def test_a_tokenizer_read_from_a_converted_folder_that_fails_names_that_folder(tmp_path):
+    """A GGUF file's tokenizer is read from the folder it was converted into: an error names both."""
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    with pytest.raises(ConfigError) as e:
+        models.model_tokenizer("m.gguf", "", str(folder))
+    assert str(e.value).startswith(f"--model m.gguf: could not load its tokenizer from {folder}: ")
+
+
 def test_load_tokenizer_pads_on_the_left_with_eos_where_the_tokenizer_names_no_pad_token(tmp_path):
     """A base model's tokenizer often has no pad token; batched prompts for generation pad on the left."""
     tok = make_byte_tokenizer()
