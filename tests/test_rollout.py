@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_llama, with_bos, with_special_tags
+from conftest import make_byte_tokenizer, make_tiny_llama, with_bos, with_special_tags
 
 from searchlite.protocol import get_protocol
 from searchlite.retrieval import Hit
@@ -58,6 +58,19 @@ def _run(tok, questions, **kw):
     sampler, retriever = ScriptedSampler(tok, SCRIPTS), FakeRetriever()
     ro = rollout(sampler, retriever, tok, P, questions, topk=2, **kw)
     return ro, sampler, retriever
+
+
+def test_a_tokenizer_without_a_pad_token_pads_the_batch_with_its_eos(byte_tokenizer):
+    """A tokenizer passed as it is (load_tokenizer would give it one) may name no pad token: the
+    batch is padded with EOS, as HFSampler pads, and the padding stays out of both masks."""
+    padded, _, _ = _run(byte_tokenizer, ["q-answer", "q-search"], max_turns=2)
+    tok = make_byte_tokenizer()
+    tok.pad_token = None
+    ro, _, _ = _run(tok, ["q-answer", "q-search"], max_turns=2)
+    pad = ~ro.attention_mask.bool()  # (N, T)
+    assert pad.any() and (ro.input_ids[pad] == tok.eos_token_id).all()
+    assert ro.input_ids[~pad].equal(padded.input_ids[~pad]) and ro.attention_mask.equal(padded.attention_mask)
+    assert ro.loss_mask.equal(padded.loss_mask) and ro.responses == padded.responses
 
 
 def test_branches(byte_tokenizer):
