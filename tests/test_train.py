@@ -501,6 +501,20 @@ def test_graceful_stop_asks_once_stops_at_the_second_signal_and_exits_128_plus_i
     assert "SIGTERM: finishing this step" in out and "rerun with --resume" in out and "not printed" not in out
 
 
+def test_graceful_stop_that_does_not_announce_prints_nothing_and_keeps_the_signal_it_got(capsys):
+    """announce=False (torchrun's ranks past 0) prints no line; a stop adopted from another rank does
+    not replace the signal this rank got itself (its exit status); exit with no message prints nothing."""
+    from searchlite.models import GracefulStop
+
+    with GracefulStop(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.adopt(signal.SIGINT)
+    assert stop.requested and stop.signum == signal.SIGTERM
+    with pytest.raises(SystemExit) as stopped:
+        stop.exit_if_requested()
+    assert stopped.value.code == 128 + 15 and capsys.readouterr().out == ""
+
+
 def test_ctrl_c_while_the_run_loads_exits_130_with_one_line_saying_what_is_kept(tiny_model, tmp_path):
     """`python train.py` stopped by Ctrl-C before its steps begin (here while it waits up to 10 s
     for a retrieval server that never answers): no traceback, one line saying what was kept, 130."""
