@@ -710,11 +710,14 @@ def test_an_adapter_whose_base_model_is_gone_names_it_and_how_to_pass_another(tm
 @pytest.mark.parametrize("saved, rank", [("full", 4), ("adapter", 0)])
 def test_resume_with_the_other_kind_of_checkpoint_is_a_config_error(tmp_path, saved, rank):
     """--resume whose checkpoint holds full weights with --lora_rank > 0, or an adapter with --lora_rank 0, is
-    refused before any model is loaded."""
+    refused before any model is loaded, naming what it holds; a fresh run there (it sets the old one aside)
+    is not."""
     policy = tmp_path / "checkpoint" / "policy"
     policy.mkdir(parents=True)
     (tmp_path / "checkpoint" / "trainer.pt").write_bytes(b"")
     (policy / ("config.json" if saved == "full" else "adapter_config.json")).write_text("{}")
-    with pytest.raises(ConfigError, match="resume with the run's own settings"):
+    held = "full weights" if saved == "full" else "a LoRA adapter"
+    with pytest.raises(ConfigError, match=f"holds {held} but --lora_rank is {rank}; resume with the run's own"):
         check_levers(Config(out_dir=str(tmp_path), resume=True, lora_rank=rank))
     check_levers(Config(out_dir=str(tmp_path), resume=True, lora_rank=4 if saved == "adapter" else 0))
+    check_levers(Config(out_dir=str(tmp_path), resume=False, lora_rank=rank))
