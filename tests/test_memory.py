@@ -150,6 +150,9 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
         AutoTokenizer.from_pretrained(policy_dir).get_vocab()
     with pytest.raises(SystemExit, match=f"{tiny_model} holds full weights, not a LoRA adapter"):
         merge_cli(["merge", tiny_model, "--out", str(tmp_path / "not")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path / 'empty'} is not a folder with adapter_config.json$"):
+        merge_cli(["merge", str(tmp_path / "empty"), "--out", str(tmp_path / "not")])
     with pytest.raises(ConfigError, match="is a LoRA adapter; to train a new adapter on it, merge it first"):
         check_levers(Config(model=str(policy_dir), lora_rank=4))  # a second adapter would name the bare base
     from searchlite.models import Critic  # a PPO critic started from the adapter: the merged model, all trained
