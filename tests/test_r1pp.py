@@ -191,6 +191,9 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
     assert tok.decode(prompt).count("Paris is the capital of France.") == 1  # its passage, in the prompt only
     assert tok.decode(ids[lm.bool()]) == internal("paris") and lm[len(prompt):].eq(1).all()  # every response token
     assert r1pp.keep_rewrite(internal("paris"), ["Paris"], PP)  # what stage 2 keeps from the rewrite model
+    call = "<|begin_external_search|> capital of france <|end_external_search|> "  # well formed, but not memory
+    assert r1pp.well_formed(call + internal("paris"), PP) and not r1pp.keep_rewrite(call + internal("paris"),
+                                                                                     ["Paris"], PP)
     for title in ("Notes from Underground", "Field Notes"):  # a giveaway word inside the answer itself, at its
         assert r1pp.keep_rewrite(internal(title), [title], PP)  # start or its end, is no giveaway
         assert not r1pp.keep_rewrite("My notes say so. " + internal(title), [title], PP)
@@ -357,6 +360,21 @@ def test_rejection_sampling_resumes_where_it_stopped(tmp_path):
         f.write(json.dumps(first) + "\n")
     other = _sample(tok, retriever, qa, stale)[0]
     assert [other.responses, other.answers] != [whole.responses, whole.answers]
+
+
+def test_a_sampling_log_that_holds_every_batch_needs_no_sampler(tmp_path, capsys):
+    """Stage 1 resumed after its last batch starts no vLLM engine and passes no sampler: the log alone
+    gives the result, and says how much it held; a fresh run says nothing of a resume."""
+    tok, retriever, qa = _toy_sampling()
+    fields = {"group": 2, "batch_size": 4, "seed": 0}
+    whole, n_whole, asked_whole, _ = _sample(tok, retriever, qa,
+                                             r1pp.open_sampling_log(tmp_path / "a.jsonl", fields, False))
+    assert "--resume" not in capsys.readouterr().out
+    log = r1pp.open_sampling_log(tmp_path / "a.jsonl", fields, resume=True)
+    kept, n, asked = r1pp.rejection_sample(None, retriever, tok, PP, qa, samples=2, batch_size=4, log=log,
+                                           max_turns=4, topk=3, chat_template=False)
+    assert torch.equal(kept.input_ids, whole.input_ids) and (n, asked) == (n_whole, asked_whole)
+    assert f"--resume: {log} holds the samples of questions 1 to {len(qa)} of {len(qa)}\n" in capsys.readouterr().out
 
 
 def test_a_sampling_log_naming_a_utf8_path_resumes_under_an_ascii_locale(tmp_path):
@@ -977,7 +995,7 @@ def test_logged_questions_reads_the_last_whole_batch_line(tmp_path):
     0 with no log or no batch; a bad last line is named by its line."""
     fields = {"group": 2, "seed": 0}
     log = tmp_path / "log.jsonl"
-    assert r1pp.logged_questions(log, fields) == 0
+    assert r1pp.logged_questions(log, fields) == 0 and not log.exists()  # read, not made
     r1pp.open_sampling_log(log, fields, resume=False)
     assert r1pp.logged_questions(log, fields) == 0
     append_log(log, [{"next": 4, "rows": []}])
