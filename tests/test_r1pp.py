@@ -500,6 +500,13 @@ def test_memorization_loss_is_zero_weighted_at_mu_zero(tiny_llama, byte_tokenize
     assert any(not torch.equal(a, b) for a, b in zip(without, on)) and len(stats["mem_loss"]) == 1
 
 
+def test_a_mini_batch_with_no_rewrite_logs_no_memorization_loss(tiny_llama, byte_tokenizer):
+    """One rewrite and two mini-batches: the second has none, and logs no L_M (not a None in the log)."""
+    _, stats = _params_after_update(tiny_llama, byte_tokenizer, _batch(byte_tokenizer, n=1, seed=1), 0.1,
+                                    mini_batch_size=2)
+    assert len(stats["loss"]) == 2 and len(stats["mem_loss"]) == 1 and isinstance(stats["mem_loss"][0], float)
+
+
 def test_a_memorization_loss_that_is_not_finite_stops_the_update_naming_it(tiny_llama, byte_tokenizer,
                                                                           monkeypatch):
     """A NaN L_M raises, with the step as train.py counts it (update's step + 1), as the policy loss does."""
