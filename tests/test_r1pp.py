@@ -761,6 +761,18 @@ def test_stage1_rewrite_demos_need_the_teacher(tiny_model, tmp_path):
                    "--cold_start_sampler", "policy", "--sft_rewrites", "2"])
 
 
+def test_stage1_refuses_vllm_with_the_scripted_teacher():
+    """The teacher writes its trajectories without a model: a vLLM engine would sample nothing."""
+    from searchlite.config import ConfigError
+
+    cfg = parse_args(["--preset", "toy-r1pp-sft", "--sampler", "vllm", "--cold_start_sampler", "teacher"],
+                     reads=r1pp.STAGE1_FIELDS)
+    with pytest.raises(ConfigError, match=r"^--sampler vllm samples the model \(--cold_start_sampler policy\)"):
+        r1pp.check_stage1(cfg)
+    r1pp.check_stage1(parse_args(["--preset", "toy-r1pp-sft", "--sampler", "vllm", "--cold_start_sampler", "policy",
+                                  "--sft_rewrites", "0"], reads=r1pp.STAGE1_FIELDS))
+
+
 def test_stage1_refuses_rewrite_demos_without_a_rewrite_prompt_before_sampling(tiny_model, tmp_path, monkeypatch):
     """search_r1 has no rewrite prompt: the preset's sft_rewrites were refused by a traceback only after
     the whole training set was sampled; now in one line before anything loads or is written."""
