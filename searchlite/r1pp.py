@@ -544,6 +544,8 @@ def _stage1(cfg, began: list) -> Path:
     return out / "model"
 
 
+STAGE1_ABOUT = ("R1-Searcher++ stage 1, the SFT cold start: rejection sampling, then SFT on the kept trajectories; "
+                "writes out_dir/model.")  # what stage1's --help opens with
 USAGE = """usage: python -m searchlite.r1pp stage1 [--preset NAME] [--field value ...]
 
 R1-Searcher++ stage 1, the SFT cold start (see this module's docstring). Reads model,
@@ -574,8 +576,7 @@ def main(argv=None) -> None:
                  f"`python train.py --preset toy-r1pp`\n\n{USAGE}")
     try:
         cfg = parse_args(argv[1:], prog="-m searchlite.r1pp stage1", default_preset="toy-r1pp-sft",
-                         reads=STAGE1_FIELDS, helps=STAGE1_HELP, about="R1-Searcher++ stage 1, the SFT cold start: "
-                         "rejection sampling, then SFT on the kept trajectories; writes out_dir/model.")
+                         reads=STAGE1_FIELDS, helps=STAGE1_HELP, about=STAGE1_ABOUT)
         check_config(cfg, STAGE1_FIELDS)
         check_stage1(cfg)
         stage1(cfg)
