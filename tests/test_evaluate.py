@@ -1234,6 +1234,15 @@ def test_judge_scores_records(judge_server, monkeypatch):
     assert auth == "Bearer sk-test"
 
 
+def test_the_judge_takes_a_full_endpoint_url_and_sends_no_key_it_was_not_given(judge_server, monkeypatch):
+    """--judge_url may name the endpoint itself (its /chat/completions not added twice); with no key in
+    the environment no Authorization header goes out, rather than one with an empty key."""
+    monkeypatch.delenv("TEST_JUDGE_KEY", raising=False)
+    Judge(judge_server + "/chat/completions/", "judge-model", key_env="TEST_JUDGE_KEY").check()
+    assert len(JudgeHandler.seen) == 2
+    assert {(path, auth) for path, _, auth in JudgeHandler.seen} == {("/v1/chat/completions", None)}
+
+
 def test_the_judge_has_at_most_its_workers_requests_in_flight(judge_server, monkeypatch):
     """8 records, 2 workers, each request 0.1 s: 2 at a time, as a rate-limited endpoint needs (without
     max_workers, test_evaluate passed: the pool's default, the cores + 4, let more in)."""
