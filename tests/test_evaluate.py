@@ -1284,6 +1284,9 @@ def test_a_request_refused_for_one_prediction_scores_it_0_and_the_rest_are_judge
         with pytest.raises(JudgeError, match=rf"refused the request.*HTTP {auth}.*read from \$TEST_JUDGE_KEY, which is "
                                              "not set"):
             judge.score(recs)
+    monkeypatch.setenv("TEST_JUDGE_KEY", "sk-wrong")
+    with pytest.raises(JudgeError, match=r"HTTP 403.*read from \$TEST_JUDGE_KEY, which is set \(--judge_key_env"):
+        Judge(judge_server, "m", backoff=0.0, key_env="TEST_JUDGE_KEY").score(recs)
 
 
 @pytest.mark.parametrize("status", [429, 500])
@@ -1298,8 +1301,9 @@ def test_a_rate_limited_judge_request_is_retried(judge_server, monkeypatch, stat
     assert recs[0]["judge"] == 1.0 and len(JudgeHandler.seen) == 2
     monkeypatch.setattr(JudgeHandler, "fail", staticmethod(lambda prompt: status))  # every time
     with pytest.raises(JudgeError, match=re.escape(f"failed the request every time (busy, or a server error) "
-                                                   f"(2 attempt(s)): HTTP {status}")):
+                                                   f"(2 attempt(s)): HTTP {status}")) as e:
         Judge(judge_server, "m", retries=1, backoff=0.0).score(recs)
+    assert "API key" not in str(e.value)  # no key fault: the key is named for HTTP 401 and 403 only
     with pytest.raises(JudgeError, match=re.escape(f"(1 attempt(s)): HTTP {status}")):  # the start-up check: at once
         Judge(judge_server, "m", retries=3, backoff=0.0).check()
     waits = []  # the backoff doubles: 0.5 s, 1 s, 2 s before the three retries
@@ -1395,6 +1399,9 @@ def test_judge_check_needs_a_verdict_on_its_test_questions(judge_server, monkeyp
         judge.check()
     monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: "True"))
     with pytest.raises(JudgeError, match=r"judged a wrong answer True: 'True'"):
+        judge.check()
+    monkeypatch.setattr(JudgeHandler, "answer", staticmethod(lambda ok, prompt: "False"))
+    with pytest.raises(JudgeError, match=r"judged a right answer False: 'False'"):
         judge.check()
 
 
