@@ -615,8 +615,8 @@ def test_config_retriever_follows_the_run_config(tmp_path, server):
 
 
 def test_config_retriever_gives_a_silent_server_one_wait_of_10_s(monkeypatch):
-    """A server that takes the request and never answers is named after 10 s, as check_server says: with
-    the client's own defaults (30 s, retried three times, each wait twice the last) a run waited 7.5 minutes."""
+    """A server that takes the request and never answers is named after one wait of 10 s, as check_server
+    says (the client's own default is 30 s a try)."""
     from types import SimpleNamespace
 
     from searchlite.config import ConfigError
