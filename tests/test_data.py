@@ -210,7 +210,7 @@ def test_an_unpaired_surrogate_escape_names_line_and_field(tmp_path):
 
 def test_a_line_with_an_escaped_pair_reads_whatever_its_other_values_are(tmp_path):
     """An escaped pair sends the line through the surrogate check, which walks every value: numbers,
-    true and null are no text to check, not an error (FlashRAG lines carry such metadata)."""
+    true and null are no text to check, not an error (a QA line may carry metadata of any JSON type)."""
     line = ('{"id": 7, "question": "smile \\ud83d\\ude00", "golden_answers": ["x"], '
             '"metadata": {"level": 2, "hard": true, "source": null, "weight": 0.5}}')
     qa = read_qa(_write_lines(tmp_path / "q.jsonl", [line]))
