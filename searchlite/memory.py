@@ -274,12 +274,11 @@ def on_device(model, device, enabled: bool = True):
 
 
 def main(argv=None) -> None:
-    ap = ArgumentParser(prog="python -m searchlite.memory", description="Merge a LoRA checkpoint into its "
-                                 "base model and save a plain Hugging Face folder (weights + tokenizer).",
-                                 formatter_class=HelpFormatter)
+    about = "Merge a LoRA checkpoint into its base model and save a plain Hugging Face folder (weights + tokenizer)."
+    ap = ArgumentParser(prog="python -m searchlite.memory", description=about, formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("merge", help="base + adapter -> one model folder", formatter_class=HelpFormatter,
-                       description="Merge a LoRA adapter into its base model: one plain model folder.")
+    m = sub.add_parser("merge", help="base + adapter -> one model folder", description=about,
+                       formatter_class=HelpFormatter)
     m.add_argument("adapter", help="a LoRA run's checkpoint/policy folder (adapter_config.json)")
     m.add_argument("--out", required=True, help="folder to write the merged model to")
     m.add_argument("--base", default="", help="base model folder or hub name; default: the one it was trained on")
