@@ -149,6 +149,13 @@ def test_a_dense_build_keeps_256_tokens_a_passage_unless_told(tmp_path, corpus_f
 # ---------------------------------------------------------------------------- query
 
 
+def printed(hits) -> list[str]:
+    """The lines `retrieve.py query` prints for one query's hits: rank, score to 3 decimals, title, id,
+    then the text."""
+    return [line for rank, h in enumerate(hits, 1)
+            for line in (f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})", f"     {h.text}")]
+
+
 def test_query_prints_ranked_passages_and_says_when_none_matched(bm25_folder, capsys):
     """Each query is printed with its --k best passages (3 by default): rank, score to 3 decimals,
     title, id, then the text; a query sharing no word with the corpus gets '(no passage matched)'."""
@@ -157,9 +164,7 @@ def test_query_prints_ranked_passages_and_says_when_none_matched(bm25_folder, ca
     expected = load_index(bm25_folder).search(queries, 3)
     assert len(expected[0]) == 3 and expected[1] == []
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["query: hot water and the sun",
-                     *[line for rank, h in enumerate(expected[0], 1)
-                       for line in (f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})", f"     {h.text}")],
+    assert lines == ["query: hot water and the sun", *printed(expected[0]),
                      "query: zzzz qqqq", "  (no passage matched)"]
     assert re.fullmatch(r"  1\. \[\d\.\d{3}\] Espresso \(id v9\)", lines[1])  # the one with both "hot" and "water"
     assert lines[2] == "     " + CORPUS[9].text
@@ -336,10 +341,7 @@ def test_query_of_a_server_prints_the_passages_it_returns(server, capsys):
     assert server.requests == [("/retrieve", {"queries": ["what causes ocean tides"], "topk": 2,
                                               "return_scores": True})]
     hits = server.index.search(["what causes ocean tides"], 2)[0]
-    assert capsys.readouterr().out.splitlines() == [
-        "query: what causes ocean tides",
-        *[line for rank, h in enumerate(hits, 1) for line in (f"  {rank}. [{h.score:.3f}] {h.title} (id {h.id})",
-                                                             f"     {h.text}")]]
+    assert capsys.readouterr().out.splitlines() == ["query: what causes ocean tides", *printed(hits)]
     assert hits[0].id == "v8"
 
 
