@@ -17,6 +17,16 @@ def long_and_short(tok) -> list[list[int]]:
     return [tok.encode("a much longer prompt", add_special_tokens=False), tok.encode("b", add_special_tokens=False)]
 
 
+def sampled_and_a_new_token(model, tok, prompts) -> tuple[list[list[int]], int]:
+    """12 tokens for each of two prompts (seed 3, no EOS among them), and the position of a token in the
+    first row, from its third on, that this row has not sampled before and the second row never samples:
+    made an EOS, it ends the first row there and leaves the second whole."""
+    free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts)
+    assert [len(o) for o in free] == [12, 12]  # no EOS sampled
+    end = next(i for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+    return free, end
+
+
 def _letters_only(model, tok):
     """Suppress every id but the lower-case letters: decoded text is plain, stop strings are exact."""
     letters = {tok.convert_tokens_to_ids(chr(c)) for c in ASCII}
@@ -65,9 +75,7 @@ def test_a_row_that_samples_eos_ends_there_while_its_batch_goes_on(pad_is_eos):
     tok = make_byte_tokenizer()
     model = make_tiny_llama(tok, seed=5)
     prompts = long_and_short(tok)
-    free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts)
-    assert [len(o) for o in free] == [12, 12]
-    end = next(i for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+    free, end = sampled_and_a_new_token(model, tok, prompts)
     if pad_is_eos:
         tok.eos_token = tok.pad_token = tok.convert_ids_to_tokens(free[0][end])
     else:
@@ -82,9 +90,7 @@ def test_the_generation_configs_eos_may_be_a_list_or_none(byte_tokenizer):
     tok = byte_tokenizer
     model = make_tiny_llama(tok, seed=5)
     prompts = long_and_short(tok)
-    free = HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts)
-    assert [len(o) for o in free] == [12, 12]  # no EOS sampled
-    end = next(i for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+    free, end = sampled_and_a_new_token(model, tok, prompts)
     model.generation_config.eos_token_id = [tok.eos_token_id, free[0][end]]
     assert HFSampler(model, tok, max_new_tokens=12, seed=3).generate(prompts) == [free[0][:end + 1], free[1]]
     model.generation_config.eos_token_id = None
