@@ -1186,3 +1186,36 @@ def test_stage1_sft_flags_reach_the_sft_and_the_demonstrations(tiny_model, tmp_p
                                        "epochs")}
     assert got == {"seed": 5, "weight_decay": 0.125, "grad_clip": 0.5, "micro_batch_size": 2, "lr": 0.0625,
                    "batch_size": 3, "epochs": 2}
+
+
+@pytest.mark.parametrize("rewrites", [0, 1])
+def test_stage1_with_no_rewrite_demonstration_trains_on_the_kept_rows_alone(tiny_model, tmp_path, monkeypatch, capsys,
+                                                                           rewrites):
+    """--sft_rewrites 0 asks for no demonstration and prints no count of them; with 1, rewrite_demos
+    gives None when no kept trajectory searched, and stage 1 counts 0 and fine-tunes on the kept rows."""
+    from searchlite import sft
+
+    seen, real_sample = {"demo_calls": 0}, r1pp.rejection_sample
+
+    def sample_spy(*a, **kw):
+        kept, counts, asked = real_sample(*a, **kw)
+        seen["kept"] = len(kept)
+        return kept, counts, asked
+
+    def demos_spy(*a, **kw):
+        seen["demo_calls"] += 1
+        return None  # what rewrite_demos gives when no kept trajectory searched
+
+    def sft_spy(model, input_ids, loss_mask, **kw):
+        seen["rows"] = len(input_ids)
+        raise Seen
+
+    monkeypatch.setattr(r1pp, "rejection_sample", sample_spy)
+    monkeypatch.setattr(r1pp, "rewrite_demos", demos_spy)
+    monkeypatch.setattr(sft, "sft", sft_spy)
+    with pytest.raises(Seen):
+        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path),
+                   "--sft_questions", "4", "--group", "2", "--batch_size", "4", "--sft_rewrites", str(rewrites)])
+    assert seen["demo_calls"] == rewrites and seen["rows"] == seen["kept"] > 0
+    demos_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rewrite demonstrations")]
+    assert demos_line == (["rewrite demonstrations: 0"] if rewrites else [])
