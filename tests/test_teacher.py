@@ -153,6 +153,42 @@ def test_a_wrong_span_copies_another_value_from_the_passage():
         assert PP.parse(right).content == "1801", seed
 
 
+def test_a_wrong_span_of_a_name_copies_another_name_and_a_passage_without_the_value_gives_a_guess():
+    """A name hop's wrong span is another name the passage shows (the years it shows are not drawn);
+    a passage that shows neither the value nor another of its kind leaves a guess of that kind."""
+    q = QA("3", "Where was Lira Dun born?", ["Tesk"], {"type": "1hop", "hops": [hop("Lira Dun", "Tesk", False)]})
+    others = [QA("5", "Where is Tesk?", ["Varn"], {"type": "1hop", "hops": [hop("Tesk", "Varn", False)]}),
+              QA("7", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})]
+
+    def shown(passage):
+        return (f"Question: {q.question}\nI need to search Lira Dun. <|begin_external_search|> Lira Dun "
+                f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Lira Dun) {passage}\n{PP.info_close}\n")
+
+    for seed in range(10):
+        wrong = Teacher(TOK, PP, [q, *others], seed=seed, **(EXACT | {"p_wrong_span": 1.0}))
+        assert PP.parse(wrong.turn(shown("Lira Dun (born 1801) grew up in Tesk, in Varn."))).content == "Varn", seed
+        guess = Teacher(TOK, PP, [q, *others], seed=seed, **EXACT).turn(shown("Lira Dun was a painter (1801)."))
+        assert PP.parse(guess).content in {"Tesk", "Varn"}, seed
+
+
+def test_under_search_r1_the_teacher_writes_search_r1_turns():
+    """The warm start teaches both protocols: under Search-R1's, each turn is a <think> block, then a
+    <search> or an <answer>, from memory too (recall's rewrite demonstrations are R1-Searcher++'s)."""
+    sr = get_protocol("search_r1", "toy")
+    q = QA("1", "In which region was the founder's birthplace?", ["Varn"],
+           {"type": "2hop", "hops": [hop("Lira Dun", "Tesk", True), hop("Tesk", "Varn", True)]})
+    ask = f"Question: {sr.ask(q.question)}\n"
+    assert Teacher(TOK, sr, [q], seed=0, **EXACT).turn(ask) == "<think> I know this. </think>\n<answer> Varn </answer>"
+    teacher = Teacher(TOK, sr, [q], seed=0, **(EXACT | {"p_famous_internal": 0.0}))
+    context, turns = ask, []
+    for query in ("Lira Dun", "Tesk", None):
+        turns.append(teacher.turn(context))
+        context += f"{turns[-1]}\n{sr.info_open}Doc 1(Title: {query}) {PASSAGES.get(query)}\n{sr.info_close}\n"
+    assert turns == ["<think> I need to search Lira Dun. </think>\n<search> Lira Dun </search>",
+                     "<think> I found Tesk. I need to search Tesk. </think>\n<search> Tesk </search>",
+                     "<think> I found Varn. </think>\n<answer> Varn </answer>"]
+
+
 def test_every_answer_turn_ends_with_eos():
     """The teacher's turns are whole: an answer from memory (and recall, which writes stage 1's
     rewrite demonstrations) ends with EOS, so the SFT teaches the model to stop there."""
