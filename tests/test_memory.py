@@ -116,6 +116,19 @@ def test_an_unknown_optimizer_is_refused_naming_the_valid_ones(tiny_llama):
         make_adamw(tiny_llama.parameters(), "sgd", lr=1e-3, weight_decay=0.0)
 
 
+def test_a_lora_resume_ends_with_the_adapter_of_an_uninterrupted_run(tiny_model, tmp_path, varied_reward):
+    """A LoRA run stopped after step 1 and resumed to step 2 ends with the adapter a 2-step run ends
+    with: the resume trains on from the checkpoint's adapter (one started afresh passed the test below)."""
+    from safetensors.torch import load_file
+
+    lora = ["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"]
+    run(tiny_model, tmp_path / "full", steps=2, extra=lora)
+    run(tiny_model, tmp_path / "part", steps=1, extra=lora)
+    run(tiny_model, tmp_path / "part", steps=2, extra=[*lora, "--resume"])
+    full, part = (load_file(tmp_path / r / "checkpoint/policy/adapter_model.safetensors") for r in ("full", "part"))
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+
+
 def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward):
     from safetensors.torch import load_file
 
