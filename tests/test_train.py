@@ -1394,6 +1394,18 @@ def test_eval_every_evaluates_after_every_nth_step_and_at_the_end(tiny_model, tm
     assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s:06d}.jsonl" for s in (0, 3, 4)]
 
 
+@pytest.mark.parametrize("size, asked", [(0, 5), (3, 3)])
+def test_eval_size_0_evaluates_every_test_question_and_n_the_first_n(tiny_model, tmp_path, size, asked):
+    from searchlite.config import TOY_DIR
+
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(TOY_DIR.joinpath("test.jsonl").read_text().splitlines(keepends=True)[:5]))
+    out = tmp_path / "run"
+    train.main(args(tiny_model, out, "grpo", steps=0, extra=["--test_data", str(test), "--eval_size", str(size)]))
+    evaluated = [json.loads(line)["id"] for line in (out / "eval" / "step_000000.jsonl").read_text().splitlines()]
+    assert evaluated == [json.loads(line)["id"] for line in test.read_text().splitlines()][:asked]
+
+
 def test_epochs_are_fresh_permutations_and_the_seed_sets_the_order():
     """batch_questions over 10 questions, batches of 5: each epoch (two steps) is every question once; the
     second epoch is another order than the first; another --seed another order."""
