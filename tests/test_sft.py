@@ -108,7 +108,8 @@ def test_a_model_handed_over_in_eval_mode_trains_in_training_mode(byte_tokenizer
     assert seen == [True, True] and model.training
 
 
-def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_tokenizer, tmp_path, monkeypatch):
+def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_tokenizer, tmp_path, monkeypatch,
+                                                                          capsys):
     from types import SimpleNamespace
 
     import searchlite.sft
@@ -134,9 +135,11 @@ def test_an_interrupted_sft_resumes_to_the_weights_of_an_uninterrupted_one(byte_
     state = tmp_path / "sft_state.pt"
     part = dropping(make_tiny_llama(byte_tokenizer))
     assert sft(part, ids, mask, state_path=state, stop=stop, **kw) == expected[:6]  # step 6 finishes, then stops
+    assert capsys.readouterr().out == ""  # a fresh start says nothing of a resume
     calls.clear()
     resumed = dropping(make_tiny_llama(byte_tokenizer))  # a new process: the starting weights, then the saved state
     assert sft(resumed, ids, mask, state_path=state, **kw) == expected and len(calls) == 2  # steps 7 and 8 only
+    assert capsys.readouterr().out == f"--resume: {state} holds 6 of the 8 SFT steps\n"
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
 
 
