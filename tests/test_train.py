@@ -1332,7 +1332,8 @@ def test_a_resume_from_a_model_changed_since_is_refused(tiny_model, tmp_path, ca
     shutil.rmtree(model)
     (tmp_path / "copy").rename(model)
     train.main(args(str(model), out, "grpo", steps=2, extra=["--resume"]))
-    assert "resumed from" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # a step to train: no word of a finished run
+    assert f"resumed from {out / 'checkpoint'} at step 1\n" in printed and "nothing to train" not in printed
     weights = load_file(model / "model.safetensors")
     save_file({k: v + 0.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(SystemExit, match=rf"--resume: --model {re.escape(str(model))} is not the model .*checkpoint's "
