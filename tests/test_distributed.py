@@ -476,7 +476,8 @@ def test_torchrun_train_smoke(tiny_model, tmp_path, offload):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # written once, by rank 0
     assert [r["eval/all"]["n"] for r in rows if "eval/all" in r] == [3, 3]  # steps 0 and 2
-    assert res.stdout.count("step    2 |") == 1  # printed once
+    assert res.stdout.count("step    2 |") == 1  # printed once, as are the config and each evaluation
+    assert [res.stdout.count(s) for s in ("config:\n", "eval step 0 ", "eval step 2 ")] == [1, 1, 1]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
     assert (out / "checkpoint" / "policy" / "model.safetensors").exists()
     state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
