@@ -1101,6 +1101,7 @@ def test_error_unknown_dataset_names_paths(world, tmp_path):
     msg = str(e.value)
     for p in ("qa/nq.jsonl", "qa/nq/test.jsonl", "qa/nq/dev.jsonl", "FlashRAG"):
         assert p in msg
+    assert msg.startswith("error: dataset 'nq' has no local file. Looked for:")  # a known name: not called unknown
     with pytest.raises(SystemExit, match="not one of the known names"):
         evaluate.main(cli(world, tmp_path / "o", "--data", "nqq", "--data_dir", str(tmp_path / "qa")))
     with pytest.raises(SystemExit, match=r"^error: --data nope.jsonl: no such QA file$"):  # a path: the flag named
