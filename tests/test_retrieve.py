@@ -445,3 +445,18 @@ def test_serve_prints_an_ipv6_address_in_brackets(monkeypatch, capsys):
     retrieve.main(["serve", "--host", "::1", "--port", "8123"])
     assert seen["host"] == "::1"
     assert capsys.readouterr().out.endswith("; serving http://[::1]:8123/retrieve (schema at /docs)\n")
+
+
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
+def test_port_taken_tells_a_held_port_from_a_free_one_on_ipv4_and_ipv6(family, host):
+    """A host with a colon is bound with an IPv6 socket: an IPv4 one cannot bind '::1' and called every
+    port there taken."""
+    with socket.socket(family) as held:
+        try:
+            held.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} loopback on this machine")
+        held.listen()
+        port = held.getsockname()[1]
+        assert retrieve.port_taken(host, port)  # why: the OS's reason
+    assert retrieve.port_taken(host, port) is None
