@@ -460,3 +460,14 @@ def test_port_taken_tells_a_held_port_from_a_free_one_on_ipv4_and_ipv6(family, h
         port = held.getsockname()[1]
         assert retrieve.port_taken(host, port)  # why: the OS's reason
     assert retrieve.port_taken(host, port) is None
+
+
+@pytest.mark.parametrize("command, folder", [("build", ""), ("query", "an index folder's, else ")])
+def test_the_dense_defaults_in_help_name_an_index_folder_for_query_alone(command, folder, monkeypatch, capsys):
+    """`build` makes the folder whose pooling and query prefix `query` then reads: only query's --help
+    says the folder's settings come first."""
+    from test_readme import help_text
+
+    text = " ".join(help_text(f"retrieve.py {command}", monkeypatch, capsys).split())
+    assert f"--pooling {{mean,cls}} dense: pooling (default: {folder}mean, as E5; BGE takes cls)" in text
+    assert f"dense: text before each query (default: {folder}by encoder name: 'query: ' for E5)" in text
