@@ -675,7 +675,7 @@ def test_a_bad_faiss_kind_or_search_parameter_is_refused_before_the_encoding(tmp
     with pytest.raises(ValueError, match=re.escape("the PQ8x12 index trains 4,096 centroids on 450 vectors")):
         checked_faiss("PQ8x12", None, 32, 450)  # PQ without IVF lists
     with pytest.raises(ValueError, match=re.escape("the OPQ8,IVF16,PQ8x12 index trains 4,096 centroids on 450")):
-        checked_faiss("OPQ8,IVF16,PQ8x12", None, 32, 450)  # the PQ inside a rotation's IVF (read the outer: 16)
+        checked_faiss("OPQ8,IVF16,PQ8x12", None, 32, 450)  # the IVF's PQ codes, under a rotation: not 16 lists
     assert checked_faiss("IVF450,Flat", None, 32, 450) == ("IVF450,Flat", "nprobe=64")
     with pytest.raises(ValueError, match=r"on 100,000 vectors \(the passages, or a sample of them\)"):
         checked_faiss("IVF262144,Flat", None, 32, 21_000_000)  # wiki-18's sample: refused before 21M encodings
