@@ -1214,8 +1214,7 @@ def test_stage1_with_no_rewrite_demonstration_trains_on_the_kept_rows_alone(tiny
     monkeypatch.setattr(r1pp, "rewrite_demos", demos_spy)
     monkeypatch.setattr(sft, "sft", sft_spy)
     with pytest.raises(Seen):
-        r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path),
-                   "--sft_questions", "4", "--group", "2", "--batch_size", "4", "--sft_rewrites", str(rewrites)])
+        r1pp.main(_flags(tiny_model, tmp_path, "--sft_rewrites", str(rewrites)))  # (the last --sft_rewrites counts)
     assert seen["demo_calls"] == rewrites and seen["rows"] == seen["kept"] > 0
     demos_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rewrite demonstrations")]
     assert demos_line == (["rewrite demonstrations: 0"] if rewrites else [])
