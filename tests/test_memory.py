@@ -16,6 +16,7 @@ from searchlite.memory import (LoRAReference, add_lora, check_levers, load_merge
                                optimizer_state_bytes)
 
 IDS = torch.tensor([[5, 9, 12, 7, 3, 40, 41], [4, 4, 8, 2, 6, 70, 1]])  # (2, 7)
+LORA = ["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"]  # a LoRA run of train.py
 
 
 def logprobs(model, ids=IDS):
@@ -121,10 +122,9 @@ def test_a_lora_resume_ends_with_the_adapter_of_an_uninterrupted_run(tiny_model,
     with: the resume trains on from the checkpoint's adapter (one started afresh passed the test below)."""
     from safetensors.torch import load_file
 
-    lora = ["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"]
-    run(tiny_model, tmp_path / "full", steps=2, extra=lora)
-    run(tiny_model, tmp_path / "part", steps=1, extra=lora)
-    run(tiny_model, tmp_path / "part", steps=2, extra=[*lora, "--resume"])
+    run(tiny_model, tmp_path / "full", steps=2, extra=LORA)
+    run(tiny_model, tmp_path / "part", steps=1, extra=LORA)
+    run(tiny_model, tmp_path / "part", steps=2, extra=[*LORA, "--resume"])
     full, part = (load_file(tmp_path / r / "checkpoint/policy/adapter_model.safetensors") for r in ("full", "part"))
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
 
@@ -135,12 +135,12 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
     from searchlite.models import load_policy
 
     out = tmp_path / "lora"
-    run(tiny_model, out, steps=1, extra=["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"])
+    run(tiny_model, out, steps=1, extra=LORA)
     policy_dir = out / "checkpoint" / "policy"
     assert (policy_dir / "adapter_config.json").is_file() and not (policy_dir / "model.safetensors").exists()
     adapter = load_file(policy_dir / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # trained away from zero
-    rows = run(tiny_model, out, steps=2, extra=["--lora_rank", "4", "--lora_targets", "q_proj,v_proj", "--resume"])
+    rows = run(tiny_model, out, steps=2, extra=[*LORA, "--resume"])
     assert [r["step"] for r in rows] == [0, 1, 2]
     import evaluate
 
