@@ -38,6 +38,12 @@ def play(teacher, question, turns=4):
     return response, searches
 
 
+def searched_once(question, query, passage):
+    """A context in which the teacher searched `query` once and was shown `passage`."""
+    return (f"Question: {question}\nI need to search {query}. <|begin_external_search|> {query} "
+            f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: {query}) {passage}\n{PP.info_close}\n")
+
+
 def answer(response):
     return PP.parse(response.rsplit(PP.info_close, 1)[-1]).content  # the last turn's answer
 
@@ -143,9 +149,7 @@ def test_a_wrong_span_copies_another_value_from_the_passage():
     others = [QA("5", "When was Ri Tam born?", ["1799"], {"type": "1hop", "hops": [hop("Ri Tam", "1799", False)]}),
               QA("7", "When was Kova Works founded?", ["1850"], {"type": "1hop", "hops": [hop("Kova", "1850", False)]}),
               QA("8", "When was Lo Pim born?", ["1803"], {"type": "1hop", "hops": [hop("Lo Pim", "1803", False)]})]
-    context = (f"Question: {q.question}\nI need to search Bo Sel. <|begin_external_search|> Bo Sel "
-               f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Bo Sel) Bo Sel (born 1801, baptised 1803).\n"
-               f"{PP.info_close}\n")
+    context = searched_once(q.question, "Bo Sel", "Bo Sel (born 1801, baptised 1803).")
     for seed in range(10):
         out = Teacher(TOK, PP, [q, *others], seed=seed, **(EXACT | {"p_wrong_span": 1.0})).turn(context)
         assert PP.parse(out).content == "1803", seed
@@ -159,15 +163,12 @@ def test_a_wrong_span_of_a_name_copies_another_name_and_a_passage_without_the_va
     q = QA("3", "Where was Lira Dun born?", ["Tesk"], {"type": "1hop", "hops": [hop("Lira Dun", "Tesk", False)]})
     others = [QA("5", "Where is Tesk?", ["Varn"], {"type": "1hop", "hops": [hop("Tesk", "Varn", False)]}),
               QA("7", "When was Bo Sel born?", ["1801"], {"type": "1hop", "hops": [hop("Bo Sel", "1801", False)]})]
-
-    def shown(passage):
-        return (f"Question: {q.question}\nI need to search Lira Dun. <|begin_external_search|> Lira Dun "
-                f"<|end_external_search|>\n{PP.info_open}Doc 1(Title: Lira Dun) {passage}\n{PP.info_close}\n")
-
+    two_names, no_name = (searched_once(q.question, "Lira Dun", passage) for passage in (
+        "Lira Dun (born 1801) grew up in Tesk, in Varn.", "Lira Dun was a painter (1801)."))
     for seed in range(10):
         wrong = Teacher(TOK, PP, [q, *others], seed=seed, **(EXACT | {"p_wrong_span": 1.0}))
-        assert PP.parse(wrong.turn(shown("Lira Dun (born 1801) grew up in Tesk, in Varn."))).content == "Varn", seed
-        guess = Teacher(TOK, PP, [q, *others], seed=seed, **EXACT).turn(shown("Lira Dun was a painter (1801)."))
+        assert PP.parse(wrong.turn(two_names)).content == "Varn", seed
+        guess = Teacher(TOK, PP, [q, *others], seed=seed, **EXACT).turn(no_name)
         assert PP.parse(guess).content in {"Tesk", "Varn"}, seed
 
 
