@@ -1,5 +1,6 @@
 """Shared fixtures: a byte-level tokenizer with the protocols' tags, tiny random Llamas."""
 
+import contextlib
 import json
 import os
 import signal
@@ -115,6 +116,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def held_port():
+    """A loopback port that a listening socket holds while the block runs, and that never answers:
+    taken, for a server that would start there; silent, for a client that connects (it waits in the backlog)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 def make_tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, tie: bool = True):

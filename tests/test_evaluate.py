@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BROKEN_VLLM, JSONHandler, free_port, make_byte_tokenizer, make_tiny_llama, pretend_installed
+from conftest import (BROKEN_VLLM, JSONHandler, free_port, held_port, make_byte_tokenizer, make_tiny_llama,
+                      pretend_installed)
 from test_rollout import FakeRetriever
 from test_vllm_sampler import FakeLLM
 
@@ -1445,12 +1446,8 @@ def test_judge_endpoint_not_answering():
 def test_a_silent_judge_endpoint_times_out_after_its_timeout():
     """An endpoint that takes the connection and never replies (a hung proxy) is a JudgeError once
     its timeout (60 s unless set) runs out."""
-    import socket
-
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        judge = Judge(f"http://127.0.0.1:{silent.getsockname()[1]}/v1", "m", timeout=0.5, retries=0)
+    with held_port() as port:
+        judge = Judge(f"http://127.0.0.1:{port}/v1", "m", timeout=0.5, retries=0)
         with pytest.raises(JudgeError, match=r"does not answer \(1 attempt\(s\)\): .*timed out"):
             judge.ask("hello")
 

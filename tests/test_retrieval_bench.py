@@ -6,14 +6,13 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from conftest import free_port, load_bench
+from conftest import free_port, held_port, load_bench
 
 from searchlite.data import QA
 from searchlite.retrieval import Hit, build_retriever
@@ -94,10 +93,7 @@ def test_retrieval_bench_reuses_only_an_index_of_the_same_unchanged_corpus(retri
 
 def test_retrieval_bench_refuses_a_port_another_server_holds(retrieval_bench, tmp_path):
     """With the port taken, the bench's own server exited and the bench measured whatever answered there."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         with pytest.raises(SystemExit, match=rf"bench: port {port} is taken .*pick --port"):
             retrieval_bench.serve_phase(str(tmp_path), str(tmp_path / "qa.jsonl"), port)
 

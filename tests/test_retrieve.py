@@ -13,7 +13,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
-from conftest import free_port
+from conftest import free_port, held_port
 from test_retrieval import CORPUS, _url, encoder_dir, server  # noqa: F401 (fixtures)
 from test_server import _never_load
 
@@ -430,10 +430,7 @@ def test_serve_probes_the_host_it_will_listen_on(monkeypatch):
     """--host 0.0.0.0 (every address) with the port held on 127.0.0.1 is refused naming 0.0.0.0,
     the address uvicorn would fail to listen on."""
     monkeypatch.setattr(retrieve, "make", _never_load)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         with pytest.raises(SystemExit, match=rf"^error: --host 0\.0\.0\.0 --port {port}: cannot listen there "):
             retrieve.main(["serve", "--host", "0.0.0.0", "--port", str(port)])
 

@@ -16,6 +16,7 @@ import threading
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from conftest import held_port
 from test_retrieval_scale import QUERIES, CountingRetriever, _post, running, served, toy_passages  # noqa: F401
 
 import retrieve
@@ -56,13 +57,8 @@ def test_serve_refuses_a_default_topk_out_of_range_before_loading(monkeypatch, t
 
 def test_serve_refuses_a_port_another_server_holds_before_loading(monkeypatch):
     """It loaded the index (minutes on wiki-18), printed 'serving http://...', then uvicorn died on the port."""
-    import socket
-
     monkeypatch.setattr(retrieve, "make", _never_load)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
+    with held_port() as port:
         with pytest.raises(SystemExit, match=rf"^error: --host 127.0.0.1 --port {port}: cannot listen there "
                                              r"\(.*\); another server may hold it: pick another --port$"):
             retrieve.main(["serve", "--port", str(port)])

@@ -518,13 +518,12 @@ def test_graceful_stop_that_does_not_announce_prints_nothing_and_keeps_the_signa
 def test_ctrl_c_while_the_run_loads_exits_130_with_one_line_saying_what_is_kept(tiny_model, tmp_path):
     """`python train.py` stopped by Ctrl-C before its steps begin (here while it waits up to 10 s
     for a retrieval server that never answers): no traceback, one line saying what was kept, 130."""
-    import socket
     import subprocess
 
-    with socket.socket() as silent:  # connections wait in its backlog, never answered
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(4)
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    from conftest import held_port
+
+    with held_port() as port:  # connections wait in its backlog, never answered
+        url = f"http://127.0.0.1:{port}"
         http = ["--retriever", "http", "--retriever_url", url]
         cmd = [sys.executable, "train.py", *args(tiny_model, tmp_path / "run", "grpo", steps=1, extra=http)]
         proc = subprocess.Popen(cmd, cwd=Path(train.__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
