@@ -929,6 +929,8 @@ def test_a_resume_refuses_a_rebuilt_index_or_a_changed_encoder(world, tmp_path, 
     faiss_file.write_bytes(b"faiss")
     got = evaluate.fingerprints(str(world / "model"), None, {}, index=str(faiss_file))["index_files"]
     assert got == {"e5_Flat.index": [5, faiss_file.stat().st_mtime_ns]}
+    # an --index not built yet, which a direct or cot run reads nothing of, has none (it was not looked into)
+    assert evaluate.fingerprints(str(world / "model"), None, {}, index=str(tmp_path / "later"))["index_files"] is None
 
 
 def test_an_index_alone_is_checked_with_the_corpus_it_reads(world, tmp_path):
