@@ -1389,17 +1389,20 @@ def test_an_index_over_a_copy_with_lines_moved_warns(tmp_path, toy_passages):
         load_index(folder, str(tmp_path / "moved.jsonl"))
 
 
+class Picky(CountingRetriever):
+    """Fails any search that holds the query "bad"."""
+
+    def search(self, queries, k):
+        if "bad" in queries:
+            raise RuntimeError("no such query")
+        return super().search(queries, k)
+
+
 def test_one_failing_request_in_a_batch_fails_alone(toy_passages):
     """The merged batch's search failed for all: a short query batched with a bad one got a 500 too."""
     import asyncio
 
     from searchlite.server import Batcher
-
-    class Picky(CountingRetriever):
-        def search(self, queries, k):
-            if "bad" in queries:
-                raise RuntimeError("no such query")
-            return super().search(queries, k)
 
     r = Picky(toy_passages)
 
@@ -1414,6 +1417,32 @@ def test_one_failing_request_in_a_batch_fails_alone(toy_passages):
     first, bad, last = asyncio.run(three())
     assert first == r.inner.search([QUERIES[0]], 3) and last == r.inner.search([QUERIES[1]], 3)
     assert isinstance(bad, RuntimeError) and str(bad) == "no such query"
+
+
+def test_a_failing_request_whose_client_went_away_fails_no_other(toy_passages):
+    """The bad request's client is gone (its future cancelled) when its batch fails: the error is
+    not set on it (that raised InvalidStateError, which stopped the batcher before it answered the
+    two good requests queued beside it: they waited for ever), and the batcher keeps serving."""
+    import asyncio
+
+    from searchlite.server import Batcher
+
+    r = Picky(toy_passages)
+
+    async def three():
+        batcher = Batcher(r, wait=0.1, max_batch=4096)
+        try:
+            gone = asyncio.ensure_future(batcher.search(["bad"], 3))
+            rest = [asyncio.ensure_future(batcher.search([q], 3)) for q in QUERIES[:2]]
+            await asyncio.sleep(0.02)  # all three queued, the batch not yet searched
+            gone.cancel()
+            found = await asyncio.wait_for(asyncio.gather(*rest), 10)
+            return found, batcher.task.done()
+        finally:
+            batcher.task.cancel()
+
+    found, stopped = asyncio.run(three())
+    assert found == [r.inner.search([q], 3) for q in QUERIES[:2]] and not stopped
 
 
 @pytest.mark.parametrize("flag", ["--shard_size", "--batch_size", "--max_length"])
