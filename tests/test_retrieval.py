@@ -465,6 +465,7 @@ def test_http_client_parses_search_r1_reply(server):
     assert out == server.index.search(qs, 2)  # ids, titles, texts and scores survive the trip
     assert server.requests == [("/retrieve", {"queries": qs[:2], "topk": 2, "return_scores": True})]
     assert HTTPRetriever(_url(server) + "/retrieve").search(qs[:1], k=1)[0][0].id == "v8"
+    assert server.requests[-1][0] == "/retrieve"  # a URL that ends in /retrieve is posted to as given
 
 
 def test_http_client_keeps_the_first_k_of_a_longer_reply(server):
@@ -498,6 +499,14 @@ def test_http_client_names_the_server_of_a_reply_it_cannot_read(server, result, 
     """Items of another shape were empty passages ('Doc 1(Title: ) ') or a bare AttributeError."""
     server.reply = {"result": result}
     with pytest.raises(RuntimeError, match=f"retrieval server http://127.0.0.1:\\d+/retrieve.*{message}"):
+        HTTPRetriever(_url(server), retries=0).search(["q"], k=1)
+
+
+def test_http_client_names_a_reply_that_is_no_json_object(server):
+    """A reply that is a JSON list (a result list without its {"result": ...}) was a bare AttributeError."""
+    server.reply = [[]]
+    with pytest.raises(RuntimeError, match=r"retrieval server http://127.0.0.1:\d+/retrieve sent no 'result' list "
+                                           r"for 1 queries: \[\[\]\]"):
         HTTPRetriever(_url(server), retries=0).search(["q"], k=1)
 
 
