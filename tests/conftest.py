@@ -172,6 +172,12 @@ def recording_bars(monkeypatch, module, name: str = "tqdm") -> list:
         def close(self):
             self.closed = True
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
     monkeypatch.setattr(module, name, Bar)
     return bars
 

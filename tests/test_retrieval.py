@@ -299,6 +299,26 @@ def test_dense_long_empty_and_large_k(dense):
         assert len(hits) == len(CORPUS)
 
 
+def test_no_queries_get_no_hits_and_no_search(dense, server):
+    """An empty list of queries is answered at once by each kind: the dense retriever encoded none
+    and handed FAISS no array, and the client would post a request of no queries."""
+    assert dense.search([], k=3) == [] and BM25Retriever(CORPUS).search([], k=3) == []
+    assert HTTPRetriever(_url(server)).search([], k=3) == [] and server.requests == []
+
+
+def test_encoding_the_passages_shows_one_bar_that_reaches_their_count(encoder_dir, monkeypatch):
+    """A corpus of _SHOW_PROGRESS passages or more (10,000) shows its encoding on a bar, ticked per batch."""
+    import tqdm.auto
+    from conftest import recording_bars
+
+    encoder = TextEncoder(str(encoder_dir / "tiny-bert"), batch_size=3, max_length=48)  # (its loading has bars too)
+    monkeypatch.setattr("searchlite.retrieval._SHOW_PROGRESS", len(CORPUS))
+    bars = recording_bars(monkeypatch, tqdm.auto)
+    DenseRetriever(CORPUS, encoder)
+    [bar] = bars
+    assert bar.kw["total"] == bar.ticks == len(CORPUS) and not bar.kw["disable"] and bar.closed
+
+
 def test_dense_cls_pooling_matches_manual_computation(encoder_dir):
     import torch
     from transformers import AutoModel, AutoTokenizer
