@@ -192,10 +192,10 @@ def main() -> None:
     print("|---|---:|---:|---:|" + "---:|" * len(TYPES) + "---:|")
     for i, (run, (first, last, kept, tried)) in enumerate(zip(runs, summaries)):
         rewrites = f"{kept:,} of {tried:,}" if tried else "(off)"
-        rows = [(f"{run.name} at its start", first, "—")] if i == 0 else []  # (stage 1, for the ablation's runs)
+        rows = [(f"{run.name} at its start", first, "-")] if i == 0 else []  # (stage 1, for the ablation's runs)
         for name, ev, mem in rows + [(run.name, last, rewrites)]:
             # a type the evaluation did not hold (a small --eval_size): a dash
-            cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" if f"eval/{t}" in ev else "—"
+            cells = [f"{ev[f'eval/{t}']['em']:.3f} / {ev[f'eval/{t}']['searches']:.2f}" if f"eval/{t}" in ev else "-"
                      for t in TYPES]
             print(f"| {name} | {ev['step']} | {ev['eval/all']['em']:.3f} | {ev['eval/all']['searches']:.2f} | "
                   + " | ".join(cells) + f" | {mem} |")

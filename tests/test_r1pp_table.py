@@ -188,8 +188,8 @@ def test_a_run_still_going_or_with_a_small_evaluation_is_tabled(table, world, mo
     table.main()
     assert (run / "metrics.jsonl").read_bytes() == written  # the line train.py is writing is left to it
     out = capsys.readouterr().out
-    assert "| run at its start | 0 | 0.250 | 1.00 | 0.250 / 0.50 | — | — | — |" in out
-    assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | — | — | (off) |" in out
+    assert "| run at its start | 0 | 0.250 | 1.00 | 0.250 / 0.50 | - | - | - |" in out
+    assert "| run | 2 | 0.500 | 1.00 | 0.500 / 0.50 | - | - | (off) |" in out
     # no eval/ records: a row that says so in each table that reads them (the third left the run out)
     assert out.count("| run | (no eval/ records) |") == 2
 
@@ -268,8 +268,8 @@ def test_main_prints_each_table_from_the_right_evaluation(table, world, tmp_path
     assert out == [
         "| run | step | test EM | RC | 1hop EM / RC | 2hop EM / RC | comparison EM / RC | L_M rewrites kept |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
-        "| run at its start | 0 | 0.500 | 1.00 | 0.500 / 0.50 | 0.500 / 1.50 | — | — |",
-        "| run | 2 | 0.500 | 0.75 | 0.000 / 0.50 | 1.000 / 1.00 | — | 3 of 5 |",
+        "| run at its start | 0 | 0.500 | 1.00 | 0.500 / 0.50 | 0.500 / 1.50 | - | - |",
+        "| run | 2 | 0.500 | 0.75 | 0.000 / 0.50 | 1.000 / 1.00 | - | 3 of 5 |",
         "",
         "Hops answered without retrieving their passage (last evaluation), by what the model could know, and the "
         "questions that did so:",
@@ -303,5 +303,23 @@ def test_a_run_with_one_evaluation_shows_its_rewrites(table, world, tmp_path, mo
     monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", str(run), "--data", str(tmp_path)])
     table.main()
     out = capsys.readouterr().out.splitlines()
-    assert "| run at its start | 0 | 0.500 | 1.00 | — | — | — | — |" in out
-    assert "| run | 0 | 0.500 | 1.00 | — | — | — | 2 of 3 |" in out
+    assert "| run at its start | 0 | 0.500 | 1.00 | - | - | - | - |" in out
+    assert "| run | 0 | 0.500 | 1.00 | - | - | - | 2 of 3 |" in out
+
+
+def test_the_tables_print_the_same_under_an_ascii_locale(table, world, tmp_path, monkeypatch, capsys):
+    """Records and questions with accents are read as UTF-8, and the tables print in ASCII: an empty
+    cell's em dash stopped the script with a UnicodeEncodeError under the C locale."""
+    from conftest import run_under_ascii_locale
+
+    run = make_run(tmp_path)
+    for f in [*sorted((run / "eval").glob("*.jsonl")), tmp_path / "test.jsonl"]:
+        rows = [json.loads(line) | {"question": "Which river flows through Z\u00fcrich?"}
+                for line in f.read_text(encoding="utf-8").splitlines()]
+        write_jsonl(f, rows)
+    argv = ["--runs", str(run), "--data", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", *argv])
+    table.main()
+    script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = run_under_ascii_locale(script, table.__file__, *argv)
+    assert (done.returncode, done.stdout) == (0, capsys.readouterr().out), done.stderr
