@@ -485,6 +485,32 @@ def test_torchrun_train_smoke(tiny_model, tmp_path, offload):
     assert isinstance(next(iter(state["opt"]["state"])), int)  # one process's optimizer-state format
 
 
+def test_torchrun_resumes_and_starts_fresh_over_an_earlier_run_once(tiny_model, tmp_path):
+    """Under torchrun, rank 0 alone says that --resume found no checkpoint or where it resumed, and a fresh
+    start in the folder of an earlier run says so and sets that run aside once (by every rank, the second
+    could move the first's new files over it)."""
+    from test_train import args, metrics
+
+    out = tmp_path / "run"
+
+    def run(steps, *extra):
+        cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=steps), "--batch_size", "4", "--eval_size", "3", *extra]
+        res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    assert run(1, "--resume").count(f"--resume: no checkpoint in {out}, starting fresh") == 1
+    said = run(2, "--resume")
+    assert said.count("resumed from ") == 1 and [r["step"] for r in metrics(out)] == [0, 1, 2]
+    said = run(1)
+    assert [said.count(s) for s in ("of an earlier run; this run starts fresh", "the earlier run is kept: ")] == [1, 1]
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    earlier = [json.loads(line)["step"] for line in (out / "metrics.previous.jsonl").read_text().splitlines()]
+    assert earlier == [0, 1, 2] and json.loads((out / "config.previous.json").read_text())["steps"] == 2
+    assert torch.load(out / "checkpoint.previous" / "trainer.pt", weights_only=False)["step"] == 2
+
+
 def test_torchrun_vllm_follows_a_sharded_policy():
     """Under FSDP2 the policy stays sharded while vLLM generates, and a push gathers it tensor by
     tensor: vLLM then answers as the policy does (and did not before the push)."""
