@@ -672,6 +672,11 @@ def test_config_retriever_builds_a_dense_retriever_with_the_runs_pooling(tmp_pat
         cfg = SimpleNamespace(retriever="dense", corpus=str(tmp_path / "c.jsonl"), pooling=pooling,
                               encoder=str(encoder_dir / "tiny-bert"), index="", retriever_url="", topk=3)
         assert config_retriever(cfg).text_encoder.pooling == pooling
+    # an index folder of cls-pooled vectors, with the run's default pooling (mean, "the folder's"): cls
+    DenseRetriever(CORPUS, str(encoder_dir / "tiny-bert"), pooling="cls", max_length=48).save(tmp_path / "cls")
+    cfg = SimpleNamespace(retriever="dense", corpus=str(tmp_path / "c.jsonl"), pooling="mean", encoder="",
+                          index=str(tmp_path / "cls"), retriever_url="", topk=3)
+    assert config_retriever(cfg).text_encoder.pooling == "cls"
 
 
 def test_an_index_folder_reads_the_corpus_it_was_built_from(tmp_path):
