@@ -323,3 +323,16 @@ def test_the_tables_print_the_same_under_an_ascii_locale(table, world, tmp_path,
     script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     done = run_under_ascii_locale(script, table.__file__, *argv)
     assert (done.returncode, done.stdout) == (0, capsys.readouterr().out), done.stderr
+
+
+def test_only_the_first_run_has_a_start_row(table, world, tmp_path, monkeypatch, capsys):
+    """The runs of an ablation all start from the one stage-1 model: each table shows its start once,
+    from the first run, and then each run's last evaluation."""
+    runs = [str(make_run(tmp_path / name)) for name in ("a", "b")]
+    monkeypatch.setattr("sys.argv", ["r1pp_table.py", "--runs", *runs, "--data", str(tmp_path)])
+    table.main()
+    out = capsys.readouterr().out.splitlines()
+    first_cells = [line.split(" | ")[0] for line in out if line.startswith("| run")]  # each table's header, rows
+    assert first_cells == ["| run", "| run at its start", "| run", "| run",
+                           "| run", "| run at its start, step_000000", "| run, step_000002", "| run, step_000002",
+                           "| run", "| run at its start, step_000000", "| run, step_000002", "| run, step_000002"]
