@@ -158,14 +158,20 @@ def test_retrieval_bench_child_killed_by_a_signal_is_reported(retrieval_bench, t
         retrieval_bench.run_measured([sys.executable, str(script)])
 
 
-def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench, tmp_path):
-    """Its exit code and the last 20 lines of its stderr."""
+def test_retrieval_bench_shows_a_failed_childs_stderr(retrieval_bench, tmp_path, capfd):
+    """Its exit code and the last 20 lines of its stderr; not quiet (a build, whose progress shows),
+    its stderr goes to the terminal as it runs, and the message repeats none of it."""
     script = tmp_path / "fails.py"
     script.write_text("import sys\nfor i in range(30): print(f'line {i}', file=sys.stderr)\nsys.exit(3)\n")
     with pytest.raises(SystemExit) as e:
         retrieval_bench.run_measured([sys.executable, str(script)])
     assert "failed with exit code 3" in str(e.value) and "line 9\n" not in str(e.value)
     assert str(e.value).endswith("".join(f"line {i}\n" for i in range(10, 30)))
+    assert capfd.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        retrieval_bench.run_measured([sys.executable, str(script)], quiet=False)
+    assert str(e.value) == f"bench: {sys.executable} {script} failed with exit code 3"
+    assert capfd.readouterr().err == "".join(f"line {i}\n" for i in range(30))
 
 
 def test_retrieval_bench_cpu_seconds_are_user_plus_system_and_wall_seconds_the_run(retrieval_bench, monkeypatch,
