@@ -413,6 +413,21 @@ def test_retrieval_bench_defaults_and_printed_figures(retrieval_bench, retrieval
             "(KeyError: 'x')\n") in out
 
 
+def test_retrieval_bench_runs_end_to_end_on_a_small_synthetic_corpus(retrieval_bench, tmp_path):
+    """The command itself, its build and search children unfaked: a child that did not take its
+    --_search phase ran the whole bench again (and failed) with every other test passing."""
+    import subprocess
+
+    cmd = [sys.executable, retrieval_bench.__file__, "--synthetic", "200", "--no_serve", "--single", "2",
+           "--batch", "2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(" ")[:2] for line in lines[2:]] == [["[bm25]", "build"], ["[bm25]", "search:"]]
+    # each question asks its passage's rarest words (the synthetic set): BM25 finds every answer
+    assert lines[3].endswith("answer recall@3 1.000 over 200 questions (as a plain substring 1.000)")
+
+
 def test_retrieval_bench_dense_build_names_encoder_and_faiss_and_no_serve_skips_the_server(retrieval_main):
     measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--kinds", "dense",
                                       "--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw", "--no_serve")
