@@ -459,6 +459,10 @@ def test_retrieval_bench_reuse_takes_an_index_built_over_this_corpus_unchanged(r
     measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--out", "out", "--reuse", "--no_serve")
     assert [cmd[2] for cmd, _ in measured] == ["--_search"]  # no build
     assert f"[bm25] reusing {folder.resolve()} (0.0 MiB on disk)\n" in capsys.readouterr().out
+    measured, _ = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--out", "out", "--no_serve")
+    assert [cmd[2] for cmd, _ in measured] == ["--_search", "build", "--_search"]  # (both runs' children)
+    # without --reuse: built again, and no word said of reusing
+    assert "reusing" not in capsys.readouterr().out
 
 
 def test_retrieval_bench_synthetic_corpus_keeps_a_given_qa(retrieval_bench, retrieval_main, monkeypatch, tmp_path,
