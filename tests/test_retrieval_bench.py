@@ -428,6 +428,13 @@ def test_retrieval_bench_runs_end_to_end_on_a_small_synthetic_corpus(retrieval_b
     assert lines[3].endswith("answer recall@3 1.000 over 200 questions (as a plain substring 1.000)")
 
 
+def test_retrieval_bench_server_line_without_errors_names_none(retrieval_main, capsys, monkeypatch):
+    monkeypatch.setitem(SERVE, "errors", 0)
+    monkeypatch.setitem(SERVE, "first_error", None)
+    retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl")
+    assert capsys.readouterr().out.endswith(" requests/s, 0 errors\n")
+
+
 def test_retrieval_bench_dense_build_names_encoder_and_faiss_and_no_serve_skips_the_server(retrieval_main):
     measured, served = retrieval_main("--corpus", "wiki.jsonl", "--qa", "qa.jsonl", "--kinds", "dense",
                                       "--encoder", "intfloat/e5-base-v2", "--faiss", "hnsw", "--no_serve")
