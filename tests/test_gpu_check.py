@@ -155,20 +155,32 @@ def test_tiny_run_counts_the_tiny_qwens_parameters(spied_tiny_run):
     assert "model: random Qwen2, 0.3M parameters in float32 computing in bfloat16, " in spied_tiny_run["out"]
 
 
-def test_bf16_weights_builds_the_policy_in_dtype(gpu_check, monkeypatch):
+def test_bf16_weights_builds_the_policy_in_dtype_and_a_full_run_builds_qwen25_3bs_shape(gpu_check, monkeypatch,
+                                                                                          capsys):
     built = []
 
     class Built(Exception):
         pass
 
-    def stop(shape, tokenizer, dtype, device):
-        built.append((dtype, device))
+    def record(shape, tokenizer, dtype, device):
+        built.append((shape, dtype, device))
         raise Built  # nothing after the build is needed
 
-    monkeypatch.setattr(gpu_check, "random_qwen", stop)
+    def stop(corpus):
+        raise Built
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gpu_check, "random_qwen", record)
+        with pytest.raises(Built):
+            gpu_check.main(["--tiny", "--bf16_weights"])
+        with pytest.raises(Built):  # without --tiny (on the CPU here, and stopped before the 3B model is made)
+            gpu_check.main(["--device", "cpu"])
+    cpu = torch.device("cpu")
+    assert built == [(gpu_check.TINY, torch.bfloat16, cpu), (gpu_check.QWEN25_3B, torch.float32, cpu)]
+    monkeypatch.setattr(gpu_check, "toy_retriever", stop)  # once the model line is printed
     with pytest.raises(Built):
         gpu_check.main(["--tiny", "--bf16_weights"])
-    assert built == [(torch.bfloat16, torch.device("cpu"))]
+    assert "M parameters in bfloat16, gradient checkpointing, built in " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("loss, grad_norm", [(math.nan, 1.0), (0.5, math.inf), (0.5, 0.0)])
