@@ -153,6 +153,9 @@ def test_memory_bench_table_without_adamw_leaves_the_comparison_blank(memory_ben
     lines = memory_bench.table(rows, memory_bench.VARIANTS).splitlines()
     assert lines[2] == "| lora | --lora_rank 16 | 1,234 |  | 10.50 | 1,400,000 |"
     assert lines[3] == "| adamw8bit | --optimizer adamw8bit | 1,000 |  | 10.50 | 1,400,000 |"
+    on_gpu = {"lora": dict(ROW, cuda_peak_mib=2048.0)}  # and both comparisons on a GPU
+    assert memory_bench.table(on_gpu, memory_bench.VARIANTS).splitlines()[2] == \
+        "| lora | --lora_rank 16 | 1,234 |  | 2,048 |  | 10.50 | 1,400,000 |"
 
 
 def test_memory_bench_variant_flags_match_their_names(memory_bench):
@@ -199,12 +202,14 @@ def test_memory_bench_defaults_run_five_variants_two_steps_on_the_toy_model(memo
     assert runs[4][1] == ["--lora_rank", "16"]
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("| variant |") and table.endswith("| 1,005 | +4 | 1.00 | 10 |\n")
-    assert table in capsys.readouterr().out + "\n"
+    out = capsys.readouterr().out
+    assert table in out + "\n" and "\nmodel: toy/model, 2 steps, device: cpu\n| variant |" in out
 
 
-def test_memory_bench_adds_ref_offload_on_a_gpu(memory_main, monkeypatch):
+def test_memory_bench_adds_ref_offload_on_a_gpu(memory_main, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert [name for name, _, _ in memory_main()][-2:] == ["lora", "ref_offload"]
+    assert "\nmodel: toy/model, 2 steps, device: cuda\n" in capsys.readouterr().out
 
 
 def test_memory_bench_flags_after_double_dash_go_last_to_every_variant(memory_main):
