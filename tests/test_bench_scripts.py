@@ -282,6 +282,14 @@ def test_rollout_bench_ratio_is_rollout_over_plain_tok_s_median_of_repeats(stubb
                       "over 3 repeats (goal >= 0.85: met)")
 
 
+def test_rollout_bench_says_a_median_under_0_85_does_not_meet_the_goal(stubbed_rollout_efficiency, monkeypatch,
+                                                                        capsys):
+    rollout_bench, _ = stubbed_rollout_efficiency
+    monkeypatch.setattr(rollout_bench, "statistics", SimpleNamespace(median=lambda ratios: 0.849))
+    rollout_bench.rollout_efficiency("m", n=3, repeats=3, seed=7)
+    assert capsys.readouterr().out.splitlines()[3].endswith(": median 0.849 over 3 repeats (goal >= 0.85: not met)")
+
+
 def test_rollout_bench_sampler_settings_and_seeds_per_round(stubbed_rollout_efficiency, capsys):
     rollout_bench, seen = stubbed_rollout_efficiency
     rollout_bench.rollout_efficiency("m", n=3, repeats=3, seed=7)
@@ -450,6 +458,26 @@ def test_sampler_bench_defaults_reach_both_samplers_on_vllms_device(stubbed_samp
     # the trained policy, then the random one for plain generate (as HF's), then 5 timed pushes of the policy
     assert seen["pushed"][:2] == [policy, random_policy] and seen["pushed"][2:] == [policy] * 5
     assert seen["protocol"] == [("search_r1", "toy")]  # the toy world's prompt, as train.py's [toy] preset
+
+
+def test_sampler_bench_loads_the_hf_policy_on_the_gpu_when_vllm_runs_on_one(stubbed_sampler_bench, monkeypatch):
+    """Else the ratios would compare a GPU with a CPU."""
+    sampler_bench = stubbed_sampler_bench[0]
+    monkeypatch.setattr(sys.modules["searchlite.vllm_sampler"].VLLMSampler, "on_cpu", False)
+    devices = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_policy(folder, device):
+        devices.append(device)
+        raise Loaded  # (nothing after it runs without a GPU)
+
+    monkeypatch.setattr("searchlite.models.load_policy", load_policy)
+    monkeypatch.setattr(sys, "argv", ["sampler_bench.py"])
+    with pytest.raises(Loaded):
+        sampler_bench.main()
+    assert devices == ["cuda"]
 
 
 def test_sampler_bench_without_repeats_times_3_rounds_after_its_warm_up(stubbed_sampler_bench, monkeypatch, capsys):
