@@ -356,6 +356,8 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
                                         "expected a folder"),  # was a NotADirectoryError traceback
     (("--model", "toy/modell"), "--model toy/modell: no such folder; expected a Hugging Face model folder"),
     (("--model", "toy/model/.."), "--model toy/model/..: no config.json or adapter_config.json in that folder; the model is in "),
+    (("--model", "bench"), "--model bench: no config.json or adapter_config.json in that folder; expected a Hugging "
+                           "Face model folder or a hub name (org/name)"),  # none in bench/policy or bench/model either
     (("--model", "toy/train.jsonl"), "--model toy/train.jsonl is a file; expected a Hugging Face model folder"),
     (("--retriever", "http"), "--retriever http needs --retriever_url"),
     (("--retriever", "bm25", "--retriever_url", "http://127.0.0.1:9"),
