@@ -534,7 +534,9 @@ def check_config(cfg: Config, reads: tuple[str, ...] = ()) -> None:
                               "(org/name)")
     if used("sampler") and cfg.sampler == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(NEEDS_VLLM)
-    files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" and not cfg.index else [])
+    # the corpus is read unless a server searches: beside an index folder too when --corpus names one (the default
+    # toy corpus, which the folder's own replaces, is always there)
+    files = ["train_data", "test_data"] + (["corpus"] if cfg.retriever != "http" else [])
     for name in files + (["index"] if cfg.index else []):
         if used(name) and not Path(resolve_path(getattr(cfg, name))).exists():
             raise ConfigError(f"{_named(cfg, name)} {getattr(cfg, name)}: no such file")

@@ -9,7 +9,8 @@ import pytest
 from conftest import pretend_installed
 
 import searchlite.config
-from searchlite.config import Config, ConfigError, field_help, parse_args, plain_warnings, resolve_path, save_config
+from searchlite.config import (TOY_DIR, Config, ConfigError, field_help, parse_args, plain_warnings, resolve_path,
+                               save_config)
 
 PRESETS = """
 [small]
@@ -377,6 +378,21 @@ def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):
     assert got is not None and message in got, got
 
 
+def test_the_corpus_is_checked_unless_a_server_searches(tmp_path):
+    """A retrieval server searches its own corpus: a --corpus beside --retriever http is not read, and
+    one that is not here does not stop the run. Beside an --index (a folder, or a FAISS file) a --corpus
+    named is read, and one that is not here is named with its flag before anything loads (it was an
+    OSError of the bare path, from the retriever)."""
+    from searchlite.indexing import build_bm25_folder
+
+    url = ("--retriever", "http", "--retriever_url", "http://127.0.0.1:9")
+    assert checked(*url, "--corpus", "nowhere/corpus.jsonl") is None
+    build_bm25_folder(str(TOY_DIR / "corpus.jsonl"), tmp_path / "index")
+    for index in (("--index", str(tmp_path / "index")), ()):
+        assert checked(*index, "--corpus", "nowhere/corpus.jsonl") == "--corpus nowhere/corpus.jsonl: no such file"
+    assert checked("--index", str(tmp_path / "index")) is None  # the default corpus: the folder's own is read
+
+
 def test_a_program_is_checked_only_on_the_fields_it_reads():
     """Stage 1 reads no test set: a preset whose test file is missing does not stop it."""
     from searchlite.config import check_config
@@ -543,8 +559,6 @@ def test_the_toy_preset_applied_to_another_model_is_said(tmp_path, capsys):
     --model, which nothing said. A model of the toy's shape (the warm start, a run trained from it)
     takes it quietly, as does a run that names a preset."""
     import shutil
-
-    from searchlite.config import TOY_DIR
 
     other = tmp_path / "other"
     other.mkdir()
