@@ -351,6 +351,7 @@ def test_the_toy_run_and_the_repo_presets_pass_the_checks():
     (("--seed", "-1"), "--seed -1: must be in [0, 2**32)"),  # numpy refused it only after config.json was written
     (("--seed", str(2**32)), "--seed 4294967296: must be in [0, 2**32)"),
     (("--train_data", "nowhere/train.jsonl"), "--train_data nowhere/train.jsonl: no such file"),
+    (("--index", "nowhere/index"), "--index nowhere/index: no such file"),
     (("--corpus", "searchlite"), "--corpus searchlite is a folder; expected a JSONL file"),  # run in the repo root
     (("--out_dir", "configs.toml"), "--out_dir configs.toml is a file; expected a folder"),
     (("--out_dir", "configs.toml/run"), "--out_dir configs.toml/run is within configs.toml, which is a file; "
