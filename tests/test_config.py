@@ -382,8 +382,8 @@ def test_a_value_no_run_can_use_is_named_with_its_flag(flags, message):
 def test_the_corpus_is_checked_unless_a_server_searches(tmp_path):
     """A retrieval server searches its own corpus: a --corpus beside --retriever http is not read, and
     one that is not here does not stop the run. Beside an --index (a folder, or a FAISS file) a --corpus
-    named is read, and one that is not here is named with its flag before anything loads (it was an
-    OSError of the bare path, from the retriever)."""
+    named is read, and one that is not here is named with its flag before anything loads (it failed
+    later, in the retriever, as "nowhere/corpus.jsonl: No such file or directory", naming no flag)."""
     from searchlite.indexing import build_bm25_folder
 
     url = ("--retriever", "http", "--retriever_url", "http://127.0.0.1:9")

@@ -300,8 +300,8 @@ def test_dense_long_empty_and_large_k(dense):
 
 
 def test_no_queries_get_no_hits_and_no_search(dense, server):
-    """An empty list of queries is answered at once by each kind: the dense retriever encoded none
-    and handed FAISS no array, and the client would post a request of no queries."""
+    """An empty list of queries is answered at once by each kind, with no search (without its check, the
+    dense retriever encoded none and handed FAISS no array); the client posts no request."""
     assert dense.search([], k=3) == [] and BM25Retriever(CORPUS).search([], k=3) == []
     assert HTTPRetriever(_url(server)).search([], k=3) == [] and server.requests == []
 
