@@ -302,6 +302,11 @@ def test_a_runs_retriever_is_taken_setting_by_setting(tmp_path, capsys):
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**config, "retriever": "http"}))
     assert fill()[0] == "http" and fill()[5] == "http://s:1"
+    # a setting the run left empty or at its default (a config.json holds every field) is not listed as left out
+    (run / "config.json").write_text(json.dumps({**config, "index": "", "pooling": "mean"}))
+    capsys.readouterr()
+    fill(retriever="bm25")
+    assert "the run's retriever settings are left out (corpus '/c.jsonl', encoder '/enc')\n" in capsys.readouterr().out
 
 
 def test_the_newer_checkpoint_is_evaluated_when_a_save_left_both(tmp_path):
