@@ -501,6 +501,11 @@ def test_a_missing_presets_file_is_named(tmp_path, capsys):
     assert (cfg.batch_size, cfg.lr) == (Config.batch_size, Config.lr)
     assert capsys.readouterr().err == (f"note: no {gone}: the run takes the built-in defaults (python train.py --help "
                                        "lists them), not the [toy] preset\n")
+    with pytest.raises(SystemExit):  # which it does, with no presets line and no blank line for a preamble
+        parse_args(["--help"], presets=gone)
+    assert capsys.readouterr().out.splitlines()[:3] == [
+        "usage: python train.py [--preset NAME] [--field value ...]", "",
+        f"  --out_dir                  str   {field_help()['out_dir']} (default: '')"]
 
 
 def test_script_parsers_name_the_closest_flag_of_any_subcommand(capsys):
