@@ -460,24 +460,30 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def torchrun_train(model, out, steps, *extra) -> str:
+    """torchrun --nproc_per_node 2 train.py, GRPO in batches of 4 questions with 3 test questions, then
+    `extra`: what it printed (it must exit 0)."""
+    from test_train import args
+
+    cmd = [*TORCHRUN, *args(model, out, "grpo", steps=steps), "--batch_size", "4", "--eval_size", "3", *extra]
+    res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
 @pytest.mark.parametrize("offload", [[], ["--ref_offload"]], ids=["ref", "ref_offload"])
 def test_torchrun_train_smoke(tiny_model, tmp_path, offload):
     """torchrun --nproc_per_node 2 train.py: two steps under FSDP2, one checkpoint, one metrics
     file; also with the reference's shards kept in CPU memory (--ref_offload). The 3 test questions
     do not split evenly over the 2 ranks: the evaluation answers each once (a share of 2 and of 1)."""
-    from test_train import args
-
     out = tmp_path / "run"
-    cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=2), "--parallel", "fsdp", "--save_every", "2",
-           "--batch_size", "4", "--eval_size", "3", *offload]
-    res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    said = torchrun_train(tiny_model, out, 2, "--parallel", "fsdp", "--save_every", "2", *offload)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # written once, by rank 0
     assert [r["eval/all"]["n"] for r in rows if "eval/all" in r] == [3, 3]  # steps 0 and 2
-    assert res.stdout.count("step    2 |") == 1  # printed once, as are the config and each evaluation
-    assert [res.stdout.count(s) for s in ("config:\n", "eval step 0 ", "eval step 2 ")] == [1, 1, 1]
+    assert said.count("step    2 |") == 1  # printed once, as are the config and each evaluation
+    assert [said.count(s) for s in ("config:\n", "eval step 0 ", "eval step 2 ")] == [1, 1, 1]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
     assert (out / "checkpoint" / "policy" / "model.safetensors").exists()
     state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
@@ -489,21 +495,14 @@ def test_torchrun_resumes_and_starts_fresh_over_an_earlier_run_once(tiny_model, 
     """Under torchrun, rank 0 alone says that --resume found no checkpoint or where it resumed, and a fresh
     start in the folder of an earlier run says so and sets that run aside once (by every rank, the second
     could move the first's new files over it)."""
-    from test_train import args, metrics
+    from test_train import metrics
 
     out = tmp_path / "run"
-
-    def run(steps, *extra):
-        cmd = [*TORCHRUN, *args(tiny_model, out, "grpo", steps=steps), "--batch_size", "4", "--eval_size", "3", *extra]
-        res = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=TORCHRUN_ENV, capture_output=True, text=True,
-                             timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return res.stdout
-
-    assert run(1, "--resume").count(f"--resume: no checkpoint in {out}, starting fresh") == 1
-    said = run(2, "--resume")
+    said = torchrun_train(tiny_model, out, 1, "--resume")
+    assert said.count(f"--resume: no checkpoint in {out}, starting fresh") == 1
+    said = torchrun_train(tiny_model, out, 2, "--resume")
     assert said.count("resumed from ") == 1 and [r["step"] for r in metrics(out)] == [0, 1, 2]
-    said = run(1)
+    said = torchrun_train(tiny_model, out, 1)
     assert [said.count(s) for s in ("of an earlier run; this run starts fresh", "the earlier run is kept: ")] == [1, 1]
     assert [r["step"] for r in metrics(out)] == [0, 1]
     earlier = [json.loads(line)["step"] for line in (out / "metrics.previous.jsonl").read_text().splitlines()]
