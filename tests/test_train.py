@@ -710,6 +710,17 @@ def test_an_earlier_run_without_a_checkpoint_is_set_aside_too(tiny_model, tmp_pa
     assert [r["step"] for r in metrics(out)] == [0]
 
 
+def test_an_empty_log_alone_is_no_earlier_run(tiny_model, tmp_path, capsys):
+    """A run stopped after it emptied metrics.jsonl but before it wrote step 0 there kept nothing: the next
+    run in that folder has no earlier run to set aside, and says nothing of one."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    train.main(args(tiny_model, out, "grpo", steps=0))
+    assert "earlier run" not in capsys.readouterr().out
+    assert not (out / "metrics.previous.jsonl").exists() and [r["step"] for r in metrics(out)] == [0]
+
+
 def test_a_log_alone_does_not_replace_an_earlier_run_set_aside_with_its_model(tiny_model, tmp_path):
     """A trained run set aside (checkpoint.previous and its log) by a --steps 0 run: the next run there set that
     log-only run aside too, replacing the trained run's config, log and eval beside its checkpoint.previous."""
