@@ -577,12 +577,17 @@ def test_each_mini_batch_takes_mu_times_l_m_of_its_share(tiny_llama, byte_tokeni
                 torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
 
 
-def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_tokenizer):
+@pytest.mark.parametrize("micro_batch_size, passes", [(2, [2, 2, 1]), (0, [5])])
+def test_memorization_gradient_is_mu_times_token_mean_nll(tiny_llama, byte_tokenizer, micro_batch_size, passes):
+    """Micro-batches (0: one pass of every row) bound memory and leave L_M and its gradient unchanged."""
     from searchlite.sft import sft_loss
 
     mem = _batch(byte_tokenizer, n=5, seed=2)
-    rows = list(range(5))
-    loss = r1pp.memorization_backward(tiny_llama, mem, rows, 0.1, 2, "cpu")  # micro-batches of 2, 2, 1
+    sizes = []  # the rows of each forward pass
+    hook = tiny_llama.register_forward_pre_hook(lambda m, a, kw: sizes.append(len(kw["input_ids"])), with_kwargs=True)
+    loss = r1pp.memorization_backward(tiny_llama, mem, list(range(5)), 0.1, micro_batch_size, "cpu")
+    hook.remove()
+    assert sizes == passes
     got = [p.grad.clone() for p in tiny_llama.parameters()]
     tiny_llama.zero_grad()
     ref = sft_loss(tiny_llama, mem.input_ids, mem.loss_mask, mem.attention_mask)  # one token mean over all rows
