@@ -129,7 +129,7 @@ def test_a_lora_resume_ends_with_the_adapter_of_an_uninterrupted_run(tiny_model,
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
 
 
-def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward):
+def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, varied_reward, capsys):
     from safetensors.torch import load_file
 
     from searchlite.models import load_policy
@@ -155,7 +155,9 @@ def test_lora_run_saves_the_adapter_resumes_and_evaluates(tiny_model, tmp_path, 
         run(tiny_model, out, steps=3, extra=["--lora_rank", "8", "--lora_targets", "q_proj,v_proj", "--resume"])
     from searchlite.memory import main as merge_cli  # python -m searchlite.memory merge: the same merged weights
 
+    capsys.readouterr()
     merge_cli(["merge", str(policy_dir), "--out", str(tmp_path / "merged"), "--dtype", "float32"])
+    assert capsys.readouterr().out == f"merged {policy_dir} into {tiny_model} -> {tmp_path / 'merged'}\n"
     assert torch.equal(logprobs(load_policy(str(tmp_path / "merged"))), logprobs(merged))
     from transformers import AutoTokenizer  # and the tokenizer beside them: a folder train.py and evaluate.py load
 
