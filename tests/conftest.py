@@ -155,13 +155,19 @@ def dropout_copy(model: str, folder) -> str:
 
 def recording_bars(monkeypatch, module, name: str = "tqdm") -> list:
     """Replace the tqdm class `module.name` with a stand-in that records each bar made: its keyword
-    arguments (`kw`), the ticks of its updates, its postfixes and whether it was closed."""
+    arguments (`kw`), the ticks of its updates (or of the items it wrapped, each as it was taken),
+    its postfixes and whether it was closed."""
     bars = []
 
     class Bar:
-        def __init__(self, **kw):
-            self.kw, self.ticks, self.postfixes, self.closed = kw, 0, [], False
+        def __init__(self, iterable=(), **kw):
+            self.iterable, self.kw, self.ticks, self.postfixes, self.closed = iterable, kw, 0, [], False
             bars.append(self)
+
+        def __iter__(self):
+            for item in self.iterable:
+                yield item
+                self.ticks += 1
 
         def update(self, n):
             self.ticks += n

@@ -331,8 +331,14 @@ def _sample(tok, retriever, qa, log=None, stop_after=None):
     return kept, n, asked, calls[0]
 
 
-def test_rejection_sampling_resumes_where_it_stopped(tmp_path):
-    tok, retriever, qa = _toy_sampling()
+def test_rejection_sampling_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """10 questions in batches of 4 (the last of 2), stopped after a whole batch and resumed: the resumed
+    run samples only the missing batches, its progress bar starting at the first of them."""
+    import tqdm
+    from conftest import recording_bars
+
+    bars = recording_bars(monkeypatch, tqdm)
+    tok, retriever, qa = _toy_sampling(10)
     fields = {"group": 2, "batch_size": 4, "seed": 0}
     whole, n_whole, asked_whole, calls_whole = _sample(tok, retriever, qa,
                                                        r1pp.open_sampling_log(tmp_path / "a.jsonl", fields, False))
@@ -347,6 +353,8 @@ def test_rejection_sampling_resumes_where_it_stopped(tmp_path):
     log = r1pp.open_sampling_log(log, fields, resume=True)
     resumed, n_resumed, asked_resumed, calls = _sample(tok, retriever, qa, log)
     assert 0 < calls < calls_whole  # only the missing batches were sampled
+    assert [(b.kw, b.ticks) for b in (bars[0], bars[-1])] == [
+        ({"desc": "rejection sampling", "initial": i, "total": 3}, 3 - i) for i in (0, done)]
     assert n_resumed == n_whole and asked_resumed == asked_whole
     assert torch.equal(resumed.input_ids, whole.input_ids) and torch.equal(resumed.loss_mask, whole.loss_mask)
     assert resumed.docs == whole.docs and resumed.answers == whole.answers
