@@ -262,7 +262,8 @@ def test_random_qwen_is_built_in_its_dtype_and_refuses_a_vocabulary_short_of_the
 
 def test_a_sampler_that_ignores_suppress_tokens_stops_the_check(gpu_check, monkeypatch):
     """Ids past the tokenizer's (the random Qwen's vocabulary is larger) are refused after the rollout, by
-    name (without the raise, test_gpu_check passed, and the step went on with ids that have no text)."""
+    name (without the raise, test_gpu_check passed, and the step went on with ids that have no text);
+    so is len(tokenizer) alone, the first id past them."""
     real = gpu_check.random_qwen
 
     def unsuppressed(*args):
@@ -270,10 +271,16 @@ def test_a_sampler_that_ignores_suppress_tokens_stops_the_check(gpu_check, monke
         model.generation_config.suppress_tokens = None
         return model
 
-    monkeypatch.setattr(gpu_check, "random_qwen", unsuppressed)
-    with pytest.raises(RuntimeError, match="^the sampler produced ids the tokenizer does not have: suppress_tokens "
-                                           "was ignored$"):
-        gpu_check.main(["--tiny"])
+    def first_past(shape, tok, *args):  # every id suppressed but len(tok), the first the tokenizer lacks
+        model = real(shape, tok, *args)
+        model.generation_config.suppress_tokens = [i for i in range(shape["vocab_size"]) if i != len(tok)]
+        return model
+
+    for fake in (unsuppressed, first_past):
+        monkeypatch.setattr(gpu_check, "random_qwen", fake)
+        with pytest.raises(RuntimeError, match="^the sampler produced ids the tokenizer does not have: "
+                                               "suppress_tokens was ignored$"):
+            gpu_check.main(["--tiny"])
 
 
 def test_the_full_shape_has_qwen25_3bs_parameter_counts(gpu_check):
