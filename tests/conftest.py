@@ -222,16 +222,25 @@ BROKEN_VLLM = "vLLM did not import: operator torchvision::nms does not exist. A 
 
 
 @pytest.fixture()
-def broken_vllm(monkeypatch):
+def broken_vllm(monkeypatch) -> list:
     """vLLM installed (find_spec sees it) but failing to import, as beside PyPI's torchvision:
-    VLLMSampler raises ImportError(BROKEN_VLLM)."""
+    VLLMSampler raises ImportError(BROKEN_VLLM). Returns the (model, tokenizer) each VLLMSampler
+    was asked for."""
     import searchlite.vllm_sampler
 
     def broken():
         raise ImportError(BROKEN_VLLM)
 
+    asked, init = [], searchlite.vllm_sampler.VLLMSampler.__init__
+
+    def recorded(self, model, tokenizer=None, **kw):
+        asked.append((model, tokenizer))
+        init(self, model, tokenizer, **kw)
+
     pretend_installed(monkeypatch, vllm=True)
     monkeypatch.setattr(searchlite.vllm_sampler, "_import_vllm", broken)
+    monkeypatch.setattr(searchlite.vllm_sampler.VLLMSampler, "__init__", recorded)
+    return asked
 
 
 class JSONHandler(BaseHTTPRequestHandler):

@@ -812,13 +812,14 @@ def test_stage1_reads_its_data_before_loading_the_model(tiny_model, tmp_path, mo
 
 def test_stage1_with_a_vllm_that_does_not_import_is_one_line_and_changes_no_file(tiny_model, tmp_path, broken_vllm):
     """Stage 1 sampling with the model through vLLM, installed but failing to import: one line, as
-    train.py gives, and the out_dir untouched."""
+    train.py gives, and the out_dir untouched. The engine was asked for --model with --tokenizer."""
     from conftest import BROKEN_VLLM
 
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {BROKEN_VLLM}") + "$"):
         r1pp.main(["stage1", "--preset", "toy-r1pp-sft", "--model", tiny_model, "--out_dir", str(tmp_path / "s1"),
-                   "--cold_start_sampler", "policy", "--sft_rewrites", "0", "--sampler", "vllm"])
-    assert not (tmp_path / "s1").exists()
+                   "--cold_start_sampler", "policy", "--sft_rewrites", "0", "--sampler", "vllm",
+                   "--tokenizer", tiny_model])
+    assert not (tmp_path / "s1").exists() and broken_vllm == [(tiny_model, tiny_model)]
 
 
 def test_stage1_refuses_an_sft_lr_of_zero_before_it_starts(tmp_path):

@@ -1670,8 +1670,10 @@ def test_mem_coef_scales_the_memorization_gradient(tiny_llama, byte_tokenizer):
 
 def test_a_vllm_that_does_not_import_is_one_line(tiny_model, tmp_path, broken_vllm):
     """--sampler vllm with vLLM installed but failing to import (check_config only sees it
-    installed) ended in the ImportError's traceback once the models had loaded."""
+    installed) ended in the ImportError's traceback once the models had loaded. The engine was
+    asked for --model with --tokenizer."""
     from conftest import BROKEN_VLLM
 
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {BROKEN_VLLM}") + "$"):
-        train.main(args(tiny_model, tmp_path / "run", "grpo", extra=("--sampler", "vllm")))
+        train.main(args(tiny_model, tmp_path / "run", "grpo", extra=("--sampler", "vllm", "--tokenizer", tiny_model)))
+    assert broken_vllm == [(tiny_model, tiny_model)]
