@@ -203,6 +203,9 @@ def test_rejection_sampling_keeps_only_correct_well_formed(byte_tokenizer):
         assert not r1pp.keep_rewrite(said + internal(gold), [gold, ""], PP), (said, gold)
         assert r1pp.keep_rewrite("I recall: " + internal(gold), [gold, ""], PP), gold
     assert r1pp.rewrite_demos(kept.select([0]), asked[:1], tok, PP, template, internal, n=5) is None  # no search
+    blind = kept.select([1])
+    blind.docs = [[]]  # it searched, but was shown no passage: nothing to rewrite from
+    assert r1pp.rewrite_demos(blind, asked[1:], tok, PP, template, internal, n=5) is None
 
     both = r1pp.join(kept, demos, tok)  # the SFT data: the kept rows, then the demonstrations, unchanged
     assert len(both) == 3 and both.answers == ["paris"] * 3
