@@ -138,6 +138,10 @@ def test_max_turns_zero_and_max_len(byte_tokenizer):
         warnings.simplefilter("error")  # a prompt with room for one token gets its turn, unwarned
         ro, _, _ = _run(byte_tokenizer, ["q-answer"], max_len=len(encode_prompt(byte_tokenizer, P, "q-answer")) + 1)
     assert ro.turns.tolist() == [1] and ro.answers == [None]
+    longer = len(encode_prompt(byte_tokenizer, P, "q-invalid"))  # a character longer: it fills the same max_len
+    with pytest.warns(UserWarning, match=r"^1 of 2 prompts fill max_len or the model's context"):
+        ro, _, _ = _run(byte_tokenizer, ["q-invalid", "q-answer"], max_len=longer)
+    assert ro.turns.tolist() == [0, 1]  # the other gets its turn
 
 
 def test_max_len_cuts_the_turn_or_passage_that_reaches_it(byte_tokenizer):
