@@ -241,12 +241,13 @@ def test_a_turn_opening_question_mid_line_is_not_cut(byte_tokenizer):
 
     tok = byte_tokenizer
     protocol = dataclasses.replace(P, stop=P.stop + ("\nQuestion:",), template="Answer it. Question: {question} ->")
-    scripts = {"q-inline": ["Question: x <answer> y </answer>"]}
+    scripts = {"q-inline": ["Question: x <answer> y </answer>"], "q-bare": ["Question:"]}
     ro = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, protocol, ["q-inline"], topk=1, max_turns=1)
     assert ro.answers == ["y"]
     newline = dataclasses.replace(protocol, template="Answer it. Question: {question}\n")  # a line opens: cut
-    ro = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, newline, ["q-inline"], topk=1, max_turns=0)
-    assert ro.answers == [None] and ro.responses == ["Question:"]
+    ro = rollout(ScriptedSampler(tok, scripts), FakeRetriever(), tok, newline, ["q-inline", "q-bare"], topk=1,
+                 max_turns=0)  # (a turn that is the stop string alone ends where it does)
+    assert ro.answers == [None, None] and ro.responses == ["Question:", "Question:"]
 
 
 def test_docs_hold_the_passages_the_model_was_shown(byte_tokenizer):
