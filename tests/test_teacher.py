@@ -117,6 +117,17 @@ def test_the_question_is_the_last_known_one_in_the_context_and_an_unknown_one_is
         teacher.turn("Question: Where was Ada born?\n")
 
 
+@pytest.mark.parametrize("values", [("Tesk", "1799"), ("1801", "Tesk")])
+def test_a_comparison_of_values_that_are_not_both_years_answers_one_of_the_two_named(values):
+    """The teacher compares years alone: a question of the same form over another value (a user's data)
+    is answered with one of its two names, as a guess, not a crash on the value that is not a year."""
+    q = QA("9", "Who was born first, Lira Dun or Ri Tam?", ["Ri Tam"],
+           {"type": "comparison", "hops": [hop("Lira Dun", values[0], False), hop("Ri Tam", values[1], False)]})
+    for seed in range(4):
+        response, n = play(Teacher(TOK, PP, [q], seed=seed, **EXACT), q.question)
+        assert n == 2 and answer(response) in ("Lira Dun", "Ri Tam"), seed
+
+
 def test_a_later_comparison_picks_the_later_year():
     """Bo Sel 1801, Ri Tam 1799: born first is Ri Tam (above), born later is Bo Sel."""
     q = QA("6", "Who was born later, Bo Sel or Ri Tam?", ["Bo Sel"],
