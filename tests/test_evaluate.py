@@ -1690,6 +1690,25 @@ def test_training_evaluation_stops_where_the_model_asks_a_question_of_its_own(by
     assert records[0]["prediction"] == "right" and records[0]["em"] == 1.0
 
 
+def test_training_evaluation_ticks_a_bar_a_batch_shown_only_where_asked(byte_tokenizer, monkeypatch):
+    """score_qa's bar counts batches (5 questions in 2s: 3); progress=False, as on every rank but rank 0
+    under torchrun, hides it."""
+    import searchlite.evaluation
+    from conftest import recording_bars
+
+    class Answers:
+        def generate(self, prompts, stop=(), greedy=False, max_new_tokens=None, budget=None):
+            return [byte_tokenizer.encode("<answer> x </answer>", add_special_tokens=False)] * len(prompts)
+
+    bars = recording_bars(monkeypatch, searchlite.evaluation)
+    qa = [QA(str(i), "what?", ["x"], {}) for i in range(5)]
+    for progress in (True, False):
+        summary, _ = score_qa(Answers(), FakeRetriever(), byte_tokenizer, get_protocol("search_r1"), qa, batch_size=2,
+                              max_turns=1, progress=progress)
+        assert summary["all"]["em"] == 1.0
+    assert [(b.kw["disable"], b.ticks) for b in bars] == [(False, 3), (True, 3)]
+
+
 def test_run_json_records_the_pooling_a_dense_folder_runs():
     """Without --pooling (or with mean, the default) a dense folder searches with its own pooling:
     run.json recorded mean for a cls-pooled folder, and refused a resume with --pooling cls."""
