@@ -294,7 +294,10 @@ def test_prompt_sets(tmp_path):
 # ---------------------------------------------------------------------------- resume
 
 
-def test_resume_scores_every_question_exactly_once(tok, tmp_path):
+def test_resume_scores_every_question_exactly_once(tok, tmp_path, monkeypatch):
+    import searchlite.evaluation
+    from conftest import recording_bars
+
     questions = qa(*[(f"question {i}", [f"a{i}"]) for i in range(10)])
     replies = {f"question {i}": f"a{i}" if i % 2 else "wrong" for i in range(10)}
     log_path = tmp_path / "run" / "records.jsonl"  # in a folder not made yet: the log makes it
@@ -310,8 +313,10 @@ def test_resume_scores_every_question_exactly_once(tok, tmp_path):
     with open(log_path, "a") as f:
         f.write('{"dataset": "d", "method": "direct", "id": "6", "pred')
     second = ScriptedSampler(tok, replies)
-    recs = evaluate_set("d", "direct", questions, RecordLog(log_path), runner(second), batch_size=3, progress=False)
+    bars = recording_bars(monkeypatch, searchlite.evaluation)
+    recs = evaluate_set("d", "direct", questions, RecordLog(log_path), runner(second), batch_size=3, progress=True)
     assert sum(second.calls, []) == [f"question {i}" for i in range(6, 10)]  # only what was not finished
+    assert [(b.kw["initial"], b.kw["total"], b.ticks) for b in bars] == [(6, 10, 4)]  # its bar starts at 6 of 10
     assert sum(first.calls, []) + sum(second.calls, []) == [f"question {i}" for i in range(10)]  # each once
     lines = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert sorted(int(r["id"]) for r in lines) == list(range(10))  # one line per question, none lost
